@@ -1,0 +1,53 @@
+"""Rolling back the hybrid cache after verification.
+
+Attention KV caches (trunk and head) trim by offset. Gated DeltaNet layers hold a conv window
+(the last K-1 rows of the qkv input) and an fp32 recurrent state that cannot be trimmed; the
+verify pass leaves a GDNTape per layer from which the state after any prefix is recovered
+without a second trunk forward.
+"""
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.gated_delta import gated_delta_update
+
+
+@dataclass
+class GDNTape:
+    """What one GDN layer saw during a verify pass."""
+
+    cache: Any  # the layer's ArraysCache: [conv window, recurrent state]
+    conv_input: mx.array  # [B, K-1+T, C]: window before verify, then the T new qkv rows
+    state_before: mx.array  # [B, Hv, Dv, Dk] fp32
+    states: Optional[List[mx.array]]  # state after each step (portable path)
+    replay: Optional[tuple]  # (q, k, v, a, b, layer) when only the final state exists
+
+    def commit(self, consumed: int) -> None:
+        """Make the cache hold the state after the first `consumed` verify tokens."""
+        window = self.conv_input.shape[1] - len(self._steps())
+        # After consuming c tokens the window is rows [c, c + K-1) of conv_input.
+        self.cache[0] = self.conv_input[:, consumed : consumed + window, :]
+        if self.states is not None:
+            self.cache[1] = self.states[consumed - 1]
+        else:
+            q, k, v, a, b, layer = self.replay
+            c = consumed
+            _, self.cache[1] = gated_delta_update(
+                q[:, :c], k[:, :c], v[:, :c], a[:, :c], b[:, :c], layer.A_log, layer.dt_bias,
+                self.state_before,
+            )
+
+    def _steps(self) -> Sequence:
+        return self.states if self.states is not None else range(self.replay[0].shape[1])
+
+
+def rollback(trunk_cache: List[Any], tapes: List[GDNTape], fed: int, consumed: int) -> None:
+    """After verifying `fed` tokens keep only the first `consumed` of them in every trunk cache."""
+    if consumed == fed:
+        return  # everything the verify pass wrote is committed
+    for c in trunk_cache:
+        if c.is_trimmable():
+            c.trim(fed - consumed)
+    for tape in tapes:
+        tape.commit(consumed)

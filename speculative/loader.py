@@ -1,0 +1,117 @@
+"""Loading a Qwen3.5-family checkpoint through mlx-lm, and its MTP head when there is one."""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import mlx.nn as nn
+
+from .errors import DynoError
+from .mtp import MTPHead, build_head, read_checkpoint_head, read_head_folder
+from .target import Target
+
+DENSE_TYPES = ("qwen3_5", "qwen3_5_text")
+MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+# mlx-lm has modules only for the wrapper types; its ModelArgs wraps a bare text config itself.
+_MLX_LM_TYPE = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to generate: mlx-lm model + tokenizer, trunk adapter, optional head."""
+
+    path: Path
+    model: nn.Module
+    tokenizer: object
+    config: dict
+    target: Optional[Target]
+    head: Optional[MTPHead]
+    head_source: Optional[str]
+    notices: List[str] = field(default_factory=list)
+    generation_config: dict = field(default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> set:
+        ids = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+        gen = self.generation_config.get("eos_token_id")
+        ids.update(gen if isinstance(gen, list) else [gen] if gen is not None else [])
+        return ids
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise DynoError(f"cannot read {what} {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise DynoError(f"{what} {path} is not valid JSON: {e}") from None
+
+
+def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None) -> LoadedModel:
+    """Load `path` with mlx-lm; attach its MTP head unless mode is "off"."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise DynoError(f"model path not found: {path}")
+    if not path.is_dir() or not (path / "config.json").exists():
+        raise DynoError(f"not a model folder (no config.json): {path}")
+    config = _read_json(path / "config.json", "model config")
+    model_type = config.get("model_type", "")
+    family = model_type in DENSE_TYPES + MOE_TYPES
+    if mode == "mtp" and not family:
+        raise DynoError(
+            f"{path} is a {model_type or 'unknown'} model; MTP drafting needs a Qwen3.5/3.6/3.8 "
+            f"model (model_type qwen3_5 or qwen3_5_moe)"
+        )
+    from mlx_lm.utils import load as mlx_lm_load
+
+    overrides = {"model_type": _MLX_LM_TYPE[model_type]} if model_type in _MLX_LM_TYPE else {}
+    try:
+        model, tokenizer = mlx_lm_load(str(path), model_config=overrides)
+    except DynoError:
+        raise
+    except Exception as e:  # mlx-lm raises many types; the user needs one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DynoError(f"cannot load model {path}: {msg}") from None
+    gen_path = path / "generation_config.json"
+    generation_config = _read_json(gen_path, "generation config") if gen_path.exists() else {}
+    lm = LoadedModel(path, model, tokenizer, config, None, None, None, [], generation_config)
+    if family:
+        lm.target = Target(model)
+    if mode != "off" and family:
+        _attach_head(lm, mode, mtp_head)
+    if mode == "auto" and lm.head is None and not lm.notices:
+        reason = "it is not a Qwen3.5-family model" if not family else "it has no MTP head"
+        lm.notices.append(f"dyno: decoding without drafts: {path.name}: {reason}")
+    return lm
+
+
+def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str]) -> None:
+    """--mtp-head DIR > the checkpoint's own mtp.* tensors > none."""
+    try:
+        weights = read_head_folder(Path(mtp_head).expanduser()) if mtp_head else read_checkpoint_head(lm.path)
+        if weights is None:
+            if mode == "mtp":
+                raise DynoError(
+                    f"no MTP head for {lm.path}: the checkpoint has no mtp.* tensors; "
+                    f"pass --mtp-head <folder>"
+                )
+            return
+        _check_vocab(lm, weights)
+        lm.head = build_head(lm.target.args, weights, lm.config.get("quantization"))
+        lm.head_source = weights.source
+    except DynoError as e:
+        if mode == "mtp":
+            raise
+        lm.notices.append(f"dyno: decoding without drafts: {e.message}")
+
+
+def _check_vocab(lm: LoadedModel, weights) -> None:
+    """A standalone head records the vocabulary it was trained with; it must be the trunk's."""
+    text = weights.provenance.get("text_config") or {}
+    want = lm.target.args.vocab_size
+    if "vocab_size" in text and text["vocab_size"] != want:
+        raise DynoError(
+            f"MTP head in {weights.source} does not fit this model: it was made for a vocabulary "
+            f"of {text['vocab_size']}, the model has {want}"
+        )

@@ -1,0 +1,130 @@
+"""The trunk adapter: an mlx-lm Qwen3.5 model seen as (tokens, cache) -> (logits, hidden).
+
+`hidden` is the trunk's post-final-norm state (what goes into lm_head), which is what the MTP
+head consumes. `verify` runs the same layers but records, for every Gated DeltaNet layer, what
+rollback needs (see cache.GDNTape); mlx-lm's own forward keeps only the final recurrent state.
+"""
+
+from typing import Any, List, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
+
+from .cache import GDNTape
+
+
+def _kernel_path(layer, q: mx.array) -> bool:
+    """Mirror of gated_delta_update's dispatch: True when it would use the Metal kernel."""
+    return (
+        not layer.training
+        and mx.default_device() == mx.gpu
+        and mx.metal.is_available()
+        and q.shape[-1] >= 32
+        and q.shape[-1] % 32 == 0
+    )
+
+
+def _recurrence_with_states(q, k, v, a, b, layer, state):
+    """The gated delta rule over T steps, also returning the state after every step.
+
+    Portable path: the same compiled step mlx-lm's `gated_delta_ops` loops over, so outputs
+    are identical to its forward; the per-step states come for free.
+    """
+    from mlx_lm.models.gated_delta import _gated_delta_step_ops  # pinned mlx-lm minor
+
+    beta = mx.sigmoid(b)
+    g = compute_g(layer.A_log, a, layer.dt_bias)
+    if (repeat := v.shape[-2] // q.shape[-2]) > 1:
+        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        ys.append(y)
+        states.append(state)
+    return mx.stack(ys, axis=1), states
+
+
+def _gdn_forward(layer, x: mx.array, mask, cache) -> Tuple[mx.array, GDNTape]:
+    """mlx-lm's GatedDeltaNet.__call__, op for op, keeping a rollback tape."""
+    B, S, _ = x.shape
+    qkv = layer.in_proj_qkv(x)
+    z = layer.in_proj_z(x).reshape(B, S, layer.num_v_heads, layer.head_v_dim)
+    b = layer.in_proj_b(x)
+    a = layer.in_proj_a(x)
+    conv_state = cache[0]
+    if conv_state is None:
+        conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), dtype=x.dtype)
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)  # [B, K-1+S, C]
+    conv_out = nn.silu(layer.conv1d(conv_input))
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
+            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
+            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
+    state_before = cache[1]
+    if state_before is None:
+        state_before = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), mx.float32)
+    if _kernel_path(layer, q):
+        # Fast kernel keeps only the final state: record the step inputs and replay on commit.
+        out, final = gated_delta_update(q, k, v, a, b, layer.A_log, layer.dt_bias, state_before)
+        tape = GDNTape(cache, conv_input, state_before, None, (q, k, v, a, b, layer))
+    else:
+        out, states = _recurrence_with_states(q, k, v, a, b, layer, state_before)
+        final = states[-1]
+        tape = GDNTape(cache, conv_input, state_before, states, None)
+    cache[0] = conv_input[:, -(layer.conv_kernel_size - 1) :, :]
+    cache[1] = final
+    cache.advance(S)
+    out = layer.norm(out, z)
+    return layer.out_proj(out.reshape(B, S, -1)), tape
+
+
+class Target:
+    """A loaded mlx-lm Qwen3.5-family model, exposed as the trunk the engine drafts against."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.text = model.language_model  # TextModel: .model (layers + norm), lm_head
+        self.body = self.text.model
+        self.args = self.text.args
+
+    def make_cache(self) -> List[Any]:
+        return self.model.make_cache()
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.body.embed_tokens(tokens)
+
+    def lm_head(self, hidden: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.body.embed_tokens.as_linear(hidden)
+        return self.text.lm_head(hidden)
+
+    def hidden(self, tokens: mx.array, cache) -> mx.array:
+        """Post-norm hidden states [B, T, H]; the same ops as mlx-lm's own forward."""
+        return self.body(tokens, cache)
+
+    def verify(self, tokens: mx.array, cache) -> Tuple[mx.array, mx.array, List[GDNTape]]:
+        """Forward [B, T] tokens keeping rollback tapes: (logits, hidden, tapes)."""
+        body = self.body
+        h = body.embed_tokens(tokens)
+        fa_mask = create_attention_mask(h, cache[body.fa_idx])
+        ssm_mask = create_ssm_mask(h, cache[body.ssm_idx])
+        tapes = []
+        for layer, c in zip(body.layers, cache):
+            if layer.is_linear:
+                r, tape = _gdn_forward(layer.linear_attn, layer.input_layernorm(h), ssm_mask, c)
+                tapes.append(tape)
+                h = h + r
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            else:
+                h = layer(h, mask=fa_mask, cache=c)
+        hidden = body.norm(h)
+        return self.lm_head(hidden), hidden, tapes

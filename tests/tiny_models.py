@@ -1,0 +1,118 @@
+"""Tiny random Qwen3.5-family checkpoints in the original Hugging Face layout, for tests.
+
+The model is built with mlx-lm's own classes (random init), then written the way a raw HF
+release stores it: trunk under `model.language_model.`, `mtp.*` at the top level, zero-centred
+norms, conv1d as [C, 1, K]. Loading it back exercises every conversion a real checkpoint needs.
+"""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import qwen3_5
+
+from speculative.mtp import MTPHead, _NORM_RE
+
+VOCAB = 320  # 256 byte tokens + specials, padded like real vocabularies
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_TRUNK_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                ".q_norm.weight", ".k_norm.weight")
+
+
+def text_config(**overrides) -> dict:
+    """A small Qwen3.5 text config (8 layers: full attention at 3 and 7)."""
+    cfg = dict(
+        model_type="qwen3_5_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6, vocab_size=VOCAB,
+        tie_word_embeddings=True, max_position_embeddings=4096, attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                         "mrope_interleaved": True},
+        mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
+    )
+    cfg.update(overrides)
+    cfg["layer_types"] = [
+        "full_attention" if (i + 1) % cfg["full_attention_interval"] == 0 else "linear_attention"
+        for i in range(cfg["num_hidden_layers"])
+    ]
+    return cfg
+
+
+def _randomize_norms(params: dict, key) -> dict:
+    """Non-trivial norms (effective weight 1 + small noise) so a missed or doubled shift shows."""
+    out = {}
+    for name, v in params.items():
+        if v.ndim == 1 and name.endswith("norm.weight"):
+            key, sub = mx.random.split(key)
+            v = 1.0 + 0.2 * mx.random.normal(v.shape, key=sub)
+        out[name] = v
+    return out
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer (no merges) with Qwen-style special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE, "model_max_length": 4096,
+    }, indent=1))
+
+
+def build(folder, seed: int = 0, with_head: bool = True, dtype=mx.float32, wrapper: bool = True,
+          generation_config: dict = None, **overrides) -> Path:
+    """Write a random tiny checkpoint in raw HF layout to `folder`; returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tc = text_config(**overrides)
+    key = mx.random.key(seed)
+    mx.random.seed(seed)
+    model = qwen3_5.TextModel(qwen3_5.TextModelArgs.from_dict(tc))
+    params = _randomize_norms(dict(tree_flatten(model.parameters())), key)
+    weights = {}
+    for name, v in params.items():
+        if any(name.endswith(s) for s in _TRUNK_NORMS):
+            v = v - 1.0  # HF stores zero-centred norms
+        if "conv1d.weight" in name:
+            v = v.moveaxis(2, 1)  # mlx [C, K, 1] -> HF [C, 1, K]
+        hf = name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+        weights[hf if wrapper else name] = v.astype(dtype)
+    if with_head:
+        head = MTPHead(model.args)
+        hp = _randomize_norms(dict(tree_flatten(head.parameters())), mx.random.split(key)[1])
+        for name, v in hp.items():
+            weights[f"mtp.{name}"] = (v - 1.0 if _NORM_RE.match(name) else v).astype(dtype)
+    names = sorted(weights)
+    # Two shards with an index, the head in the last one, like real releases.
+    trunk = [n for n in names if not n.startswith("mtp.")]
+    shards = {"model-00001-of-00002.safetensors": trunk[: len(trunk) // 2],
+              "model-00002-of-00002.safetensors": trunk[len(trunk) // 2 :] + [n for n in names if n.startswith("mtp.")]}
+    weight_map = {}
+    for file, keys in shards.items():
+        mx.save_safetensors(str(folder / file), {k: weights[k] for k in keys}, metadata={"format": "pt"})
+        weight_map.update({k: file for k in keys})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if wrapper:
+        config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                  "text_config": tc, "tie_word_embeddings": tc["tie_word_embeddings"]}
+    else:
+        config = dict(tc, architectures=["Qwen3_5ForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    if generation_config is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    write_tokenizer(folder)
+    return folder
