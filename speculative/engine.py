@@ -145,6 +145,7 @@ class Speculator:
         Returns (accepted draft tokens, next token); next is the correction or the bonus.
         """
         k = self.depth
+        cycle_start = self.head_cache[0].offset
         drafts, draft_probs = self._draft(k)
         logits, hidden, tapes = self.target.verify(
             mx.concatenate([self.pending, drafts])[None], self.trunk_cache
@@ -157,8 +158,8 @@ class Speculator:
         mx.eval(n_acc, nxt, drafts)
         a = n_acc.item()
         rollback(self.trunk_cache, tapes, fed=k + 1, consumed=a + 1)
-        for c in self.head_cache:
-            c.trim(k - 1)  # drop the recursive rows: committed rows come from trunk hiddens
+        for c in self.head_cache:  # drop the recursive rows: committed rows come from trunk hiddens
+            c.trim(c.offset - cycle_start)
         nxt = nxt.reshape(1)
         committed = mx.concatenate([drafts[:a], nxt])
         self.head_hidden = self._head(committed, hidden[:, : a + 1])[:, -1:]
