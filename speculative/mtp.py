@@ -186,7 +186,8 @@ def build_head(args, weights: HeadWeights, quantization: Optional[dict] = None) 
     if missing:
         shown = ", ".join(f"mtp.{m}" for m in missing[:4]) + (" ..." if len(missing) > 4 else "")
         raise DynoError(f"MTP head in {weights.source} is missing tensors: {shown}")
-    for name, want in expected.items():
+    # fc.weight first: its [H, 2H] shape names the hidden size, the usual culprit.
+    for name, want in sorted(expected.items(), key=lambda kv: kv[0] != "fc.weight"):
         got = tensors[name]
         if tuple(got.shape) != tuple(want.shape):
             raise DynoError(

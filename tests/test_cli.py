@@ -1,0 +1,119 @@
+"""`dyno generate` end to end in a subprocess: output, the summary line, JSON, and bad input."""
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tiny_models
+from conftest import plain_greedy
+from dyno_ui.cli import sampling_from
+
+ROOT = Path(__file__).resolve().parent.parent
+SUMMARY = re.compile(r"^MTP: (\d+) tokens in (\d+) rounds \((\d+\.\d\d) per round\), (\d+)/(\d+) drafts accepted$")
+
+
+def dyno(*args):
+    return subprocess.run([sys.executable, "-m", "dyno_ui", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def test_json_output_is_plain_greedy(tiny_dir, tiny_lm):
+    prompt = "class Stack:\n    def push(self, item):\n"
+    r = dyno("generate", "--model", str(tiny_dir()), "--prompt", prompt, "--max-tokens", "60",
+             "--speculative", "mtp", "--draft-depth", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    lm = tiny_lm()
+    assert out["tokens"] == plain_greedy(lm, lm.tokenizer.encode(prompt), 60)
+    assert len(out["provenance"]) == len(out["tokens"]) and set(out["provenance"]) <= {"draft", "model"}
+    spec = out["speculative"]
+    assert spec["mode"] == "mtp" and spec["draft_depth"] == 3
+    assert spec["draft_tokens"] == 3 * spec["rounds"]
+    assert sum(spec["accepted_per_position"]) == spec["accepted_tokens"]
+    assert out["provenance"].count("draft") <= spec["accepted_tokens"]
+    m = SUMMARY.match(r.stderr.strip().splitlines()[-1])
+    assert m, r.stderr
+    n, rounds, per, acc, drafted = m.groups()
+    assert (int(n), int(rounds), int(acc), int(drafted)) == (
+        len(out["tokens"]), spec["rounds"], spec["accepted_tokens"], spec["draft_tokens"])
+    assert per == f"{len(out['tokens']) / spec['rounds']:.2f}"
+    assert set(out["timing"]) == {"prefill_s", "decode_s", "decode_tokens_per_s"}
+
+
+def test_streamed_text_equals_json_text(tiny_dir):
+    args = ["generate", "--model", str(tiny_dir("text-only")), "--prompt", "import os\n", "--max-tokens", "40"]
+    streamed, as_json = dyno(*args), dyno(*args, "--json")
+    assert streamed.returncode == 0 and as_json.returncode == 0
+    assert streamed.stdout == json.loads(as_json.stdout)["text"] + "\n"
+
+
+def test_auto_without_head_decodes_plainly(tmp_path):
+    folder = tiny_models.build(tmp_path / "nohead", seed=1, with_head=False)
+    r = dyno("generate", "--model", str(folder), "--prompt", "x = 1", "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[0] == "dyno: decoding without drafts: nohead: it has no MTP head"
+    assert lines[-1].startswith("Plain: 8 tokens, no drafting")
+
+
+@pytest.fixture(scope="module")
+def bad_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    (root / "empty").mkdir()
+    (root / "llama").mkdir()
+    (root / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (root / "broken").mkdir()
+    (root / "broken" / "config.json").write_text("{not json")
+    tiny_models.build(root / "nohead", seed=1, with_head=False)
+    return root
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "{root}/missing"], "model path not found: {root}/missing"),
+    (["--model", "{root}/empty"], "not a model folder (no config.json): {root}/empty"),
+    (["--model", "{root}/broken"], "model config {root}/broken/config.json is not valid JSON: "
+                                   "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    (["--model", "{root}/llama", "--speculative", "mtp"],
+     "{root}/llama is a llama model; MTP drafting needs a Qwen3.5/3.6/3.8 model (model_type qwen3_5 or qwen3_5_moe)"),
+    (["--model", "{root}/nohead", "--speculative", "mtp"],
+     "no MTP head for {root}/nohead: the checkpoint has no mtp.* tensors; pass --mtp-head <folder>"),
+    (["--model", "{root}/nohead", "--mtp-head", "{root}/missing", "--speculative", "mtp"],
+     "MTP head folder not found: {root}/missing"),
+    (["--model", "{root}/nohead", "--mtp-head", "{root}/empty", "--speculative", "mtp"],
+     "not an MTP head folder (no config.json): {root}/empty"),
+    (["--model", "{root}/nohead", "--temp", "-1"], "invalid sampling value: temperature must be >= 0, got -1.0"),
+    (["--model", "{root}/nohead", "--top-p", "0"], "invalid sampling value: top_p must be in (0, 1], got 0.0"),
+    (["--model", "{root}/nohead", "--top-k", "-3"], "invalid sampling value: top_k must be an integer >= 0, got -3"),
+    (["--model", "{root}/nohead", "--min-p", "2"], "invalid sampling value: min_p must be in [0, 1], got 2.0"),
+    (["--model", "{root}/nohead", "--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+    (["--model", "{root}/nohead", "--draft-depth", "9"], "draft depth must be an integer from 1 to 8, got 9"),
+    (["--model", "{root}/nohead", "--prompt", ""], "the prompt is empty"),
+])
+def test_bad_input_one_line_exit_2(bad_models, args, message):
+    args = [a.format(root=bad_models) for a in args]
+    if "--prompt" not in args:
+        args += ["--prompt", "hello"]
+    r = dyno("generate", *args)
+    assert r.returncode == 2
+    assert r.stderr == f"dyno: error: {message.format(root=bad_models)}\n"
+    assert r.stdout == ""
+
+
+def test_argparse_errors_exit_2():
+    r = dyno("generate", "--speculative", "fast", "--prompt", "x")
+    assert r.returncode == 2 and "invalid choice: 'fast'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_sampling_defaults_from_generation_config():
+    args = argparse.Namespace(temp=None, top_p=None, top_k=None, min_p=None, max_tokens=10, seed=None)
+    gc = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True}
+    p = sampling_from(args, gc)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.6, 0.95, 20, 0.0)
+    args.temp = 0.0
+    assert sampling_from(args, gc).greedy
+    assert sampling_from(argparse.Namespace(**{**vars(args), "temp": None}), {**gc, "do_sample": False}).greedy
