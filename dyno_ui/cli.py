@@ -18,6 +18,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-depth", type=int, default=None, metavar="K",
                    help=f"tokens drafted per round, 1..{MAX_DRAFT_DEPTH} (default: %(default)s -> {SpecConfig().draft_depth})")
     p.add_argument("--mtp-head", metavar="DIR", help="a standalone MTP head folder to use")
+    p.add_argument("--mtp-base", metavar="REPO",
+                   help="the original repository to take the head from (default: from the model card)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, metavar="S")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.set_defaults(func=cmd_generate)
+    from .head_cli import add_commands as add_head_commands
+
+    add_head_commands(sub)
     return parser
 
 
@@ -61,6 +66,10 @@ def sampling_from(args, generation_config: dict) -> SamplingParams:
     )
 
 
+def _notify(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def cmd_generate(args) -> int:
     from speculative.engine import generate
     from speculative.loader import load_model
@@ -71,10 +80,9 @@ def cmd_generate(args) -> int:
         raise DynoError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if not args.prompt:
         raise DynoError("the prompt is empty")
-    lm = load_model(args.model or default_model(), mode=spec.mode, mtp_head=args.mtp_head)
+    lm = load_model(args.model or default_model(), mode=spec.mode, mtp_head=args.mtp_head,
+                    mtp_base=args.mtp_base, notify=_notify)
     params = sampling_from(args, lm.generation_config)
-    for notice in lm.notices:
-        print(notice, file=sys.stderr)
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
         prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

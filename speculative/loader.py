@@ -3,12 +3,13 @@
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import mlx.nn as nn
 
 from .errors import DynoError
-from .mtp import MTPHead, build_head, read_checkpoint_head, read_head_folder
+from .heads import resolve_head
+from .mtp import MTPHead, build_head
 from .target import Target
 
 DENSE_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -48,8 +49,13 @@ def _read_json(path: Path, what: str) -> dict:
         raise DynoError(f"{what} {path} is not valid JSON: {e}") from None
 
 
-def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None) -> LoadedModel:
-    """Load `path` with mlx-lm; attach its MTP head unless mode is "off"."""
+def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_base: Optional[str] = None,
+               notify: Optional[Callable[[str], None]] = None) -> LoadedModel:
+    """Load `path` with mlx-lm; attach its MTP head unless mode is "off".
+
+    `notify` receives notices while loading (e.g. before a head download); they are also kept
+    in `notices`.
+    """
     path = Path(path).expanduser()
     if not path.exists():
         raise DynoError(f"model path not found: {path}")
@@ -76,25 +82,31 @@ def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None) -> Load
     gen_path = path / "generation_config.json"
     generation_config = _read_json(gen_path, "generation config") if gen_path.exists() else {}
     lm = LoadedModel(path, model, tokenizer, config, None, None, None, [], generation_config)
+
+    def note(message: str) -> None:
+        lm.notices.append(message)
+        if notify:
+            notify(message)
+
     if family:
         lm.target = Target(model)
     if mode != "off" and family:
-        _attach_head(lm, mode, mtp_head)
-    if mode == "auto" and lm.head is None and not lm.notices:
+        _attach_head(lm, mode, mtp_head, mtp_base, note)
+    if mode == "auto" and lm.head is None and not any("without drafts" in n for n in lm.notices):
         reason = "it is not a Qwen3.5-family model" if not family else "it has no MTP head"
-        lm.notices.append(f"dyno: decoding without drafts: {path.name}: {reason}")
+        note(f"dyno: decoding without drafts: {path.name}: {reason}")
     return lm
 
 
-def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str]) -> None:
-    """--mtp-head DIR > the checkpoint's own mtp.* tensors > none."""
+def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: Optional[str], note) -> None:
+    """Find the head (see heads.resolve_head), check it fits, build it."""
     try:
-        weights = read_head_folder(Path(mtp_head).expanduser()) if mtp_head else read_checkpoint_head(lm.path)
+        weights = resolve_head(lm.path, lm.config, note, mtp_head, mtp_base)
         if weights is None:
             if mode == "mtp":
                 raise DynoError(
-                    f"no MTP head for {lm.path}: the checkpoint has no mtp.* tensors; "
-                    f"pass --mtp-head <folder>"
+                    f"no MTP head for {lm.path}: the checkpoint has no mtp.* tensors and no base "
+                    f"model with a head was found; pass --mtp-head <folder>"
                 )
             return
         _check_vocab(lm, weights)
@@ -103,7 +115,7 @@ def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str]) -> None:
     except DynoError as e:
         if mode == "mtp":
             raise
-        lm.notices.append(f"dyno: decoding without drafts: {e.message}")
+        note(f"dyno: decoding without drafts: {e.message}")
 
 
 def _check_vocab(lm: LoadedModel, weights) -> None:

@@ -110,8 +110,8 @@ def read_checkpoint_head(folder: Path) -> Optional[HeadWeights]:
     files = checkpoint_files(folder)
     names = {n: _strip(n) for n in files}
     names = {n: r for n, r in names.items() if r is not None}
-    if not names:
-        return None
+    if not names or any(not files[n].exists() for n in names):
+        return None  # no head, or a partial snapshot (index only) that lacks the head's shards
     tensors = {}
     for path in sorted(set(files[n] for n in names)):
         wanted = [n for n in names if files[n] == path]

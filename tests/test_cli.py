@@ -81,7 +81,7 @@ def bad_models(tmp_path_factory):
     (["--model", "{root}/llama", "--speculative", "mtp"],
      "{root}/llama is a llama model; MTP drafting needs a Qwen3.5/3.6/3.8 model (model_type qwen3_5 or qwen3_5_moe)"),
     (["--model", "{root}/nohead", "--speculative", "mtp"],
-     "no MTP head for {root}/nohead: the checkpoint has no mtp.* tensors; pass --mtp-head <folder>"),
+     "no MTP head for {root}/nohead: the checkpoint has no mtp.* tensors and no base model with a head was found; pass --mtp-head <folder>"),
     (["--model", "{root}/nohead", "--mtp-head", "{root}/missing", "--speculative", "mtp"],
      "MTP head folder not found: {root}/missing"),
     (["--model", "{root}/nohead", "--mtp-head", "{root}/empty", "--speculative", "mtp"],

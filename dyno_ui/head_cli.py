@@ -1,0 +1,153 @@
+"""`dyno head pull|list` and `dyno models`: managing MTP heads and seeing what is local."""
+
+import json
+import sys
+from pathlib import Path
+
+from speculative.errors import DynoError
+
+from .models import BUNDLED_MODEL
+
+
+def add_commands(sub) -> None:
+    """Register `head` and `models` on the top-level subparsers."""
+    head = sub.add_parser("head", help="fetch and list cached MTP heads")
+    hsub = head.add_subparsers(dest="head_command", metavar="ACTION")
+    pull = hsub.add_parser("pull", help="fetch and cache the MTP head for a model ahead of time")
+    pull.add_argument("model", help="a local model folder or a Hugging Face repo id")
+    pull.add_argument("--mtp-base", metavar="REPO", help="take the head from this repository")
+    pull.set_defaults(func=cmd_head_pull)
+    lst = hsub.add_parser("list", help="show cached heads with their size and source")
+    lst.set_defaults(func=cmd_head_list)
+    head.set_defaults(func=lambda args: (head.print_help(), 2)[1])
+    models = sub.add_parser("models", help="list local models and their MTP head status")
+    models.add_argument("folders", nargs="*", help="model folders to include besides the Hugging Face cache")
+    models.set_defaults(func=cmd_models)
+
+
+def _notify(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def cmd_head_pull(args) -> int:
+    from speculative import heads
+
+    hub = heads.Hub(_notify)
+    folder = Path(args.model).expanduser()
+    if folder.is_dir():
+        config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+        if heads.read_checkpoint_head(folder) is not None:
+            print(f"{folder} carries its own MTP head; nothing to fetch")
+            return 0
+        base = heads.find_base(folder, config, hub, args.mtp_base)
+    elif heads._REPO_ID.match(args.model):
+        base = args.mtp_base or (args.model if hub.ships_head(args.model) else None)
+        if base is None:
+            card = hub.file(args.model, "README.md")
+            base = heads.find_base(card.parent, {}, hub) if card else None
+    else:
+        raise DynoError(f"not a model folder or a repo id: {args.model}")
+    if base is None:
+        raise DynoError(f"no base model with an MTP head found for {args.model}; pass --mtp-base REPO")
+    target = heads.cached_head_path(base)
+    if not target.exists():
+        head = heads.extract_from_hf_cache(base, hub)
+        if head is None:
+            if heads.offline():
+                raise DynoError(f"the head of {base} is not cached and HF_HUB_OFFLINE=1 prevents downloading it")
+            head = heads.download_head(base, hub)
+        text_config = _base_text_config(hub, base)
+        heads.write_head_folder(target, head, text_config, extra={"base_model": base})
+    print(f"MTP head of {base}: {target} ({_size(target) / 1e6:.1f} MB)")
+    return 0
+
+
+def _base_text_config(hub, repo: str) -> dict:
+    path = hub.file(repo, "config.json")
+    config = json.loads(path.read_text()) if path else {}
+    return config.get("text_config", config)
+
+
+def cmd_head_list(args) -> int:
+    from speculative.heads import head_cache_dir
+
+    root = head_cache_dir()
+    rows = []
+    for folder in sorted(root.glob("*")) if root.is_dir() else []:
+        cfg_path = folder / "config.json"
+        if folder.name.startswith(".") or not cfg_path.exists():
+            continue  # a temp folder from an interrupted write is never listed, nor loaded
+        cfg = json.loads(cfg_path.read_text())
+        src = cfg.get("source", {})
+        origin = src.get("repo") or src.get("from", "?")
+        rev = (src.get("revision") or "")[:12]
+        rows.append((cfg.get("base_model", folder.name.replace("--", "/")), f"{_size(folder) / 1e6:.1f} MB",
+                     cfg.get("architecture", "?"), f"{origin}@{rev} via {src.get('via', '?')}" if rev else origin))
+    if not rows:
+        print(f"no cached MTP heads in {root}")
+        return 0
+    _table(("BASE MODEL", "SIZE", "KIND", "SOURCE"), rows)
+    print(f"({root})")
+    return 0
+
+
+def _table(header, rows) -> None:
+    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+    for r in (header, *rows):
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def head_status(folder: Path, hub) -> str:
+    """in checkpoint / cached / fetchable / none."""
+    from speculative import heads
+
+    if heads.read_checkpoint_head(folder) is not None:
+        return "in checkpoint"
+    config = json.loads((folder / "config.json").read_text())
+    try:
+        base = heads.find_base(folder, config, hub)
+    except DynoError:
+        base = None
+    if base is None:
+        return "none"
+    if heads.cached_head_path(base).exists():
+        return "cached"
+    return "fetchable" if not heads.offline() or heads.extract_from_hf_cache(base, hub) else f"none (offline; base {base})"
+
+
+def cmd_models(args) -> int:
+    from speculative import heads
+
+    folders = [BUNDLED_MODEL] + [Path(f).expanduser() for f in args.folders]
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        for repo in scan_cache_dir().repos:
+            if repo.repo_type == "model":
+                for rev in repo.revisions:
+                    folders.append(Path(rev.snapshot_path))
+    except Exception:
+        pass  # no Hugging Face cache yet
+    hub = heads.Hub(_notify)
+    rows = []
+    for folder in folders:
+        cfg = folder / "config.json"
+        if not cfg.exists():
+            continue
+        model_type = json.loads(cfg.read_text()).get("model_type", "?")
+        if not model_type.startswith("qwen3_5"):
+            continue
+        try:
+            status = head_status(folder, hub)
+        except DynoError as e:
+            status = f"unknown ({e.message})"
+        rows.append((str(folder), model_type, status))
+    if not rows:
+        print("no Qwen3.5-family models found")
+        return 0
+    _table(("MODEL", "TYPE", "MTP HEAD"), rows)
+    return 0

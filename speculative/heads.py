@@ -1,0 +1,309 @@
+"""Finding, extracting, fetching and caching MTP heads for models that lost theirs.
+
+Resolution, first hit wins: --mtp-head DIR > the model's own mtp.* tensors > the Dyno cache >
+the original checkpoint in the local Hugging Face cache (only the mtp.* tensors are read) > a
+download of only the head's byte ranges from the original repository > none.
+"""
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .errors import DynoError
+from .mtp import HeadWeights, read_checkpoint_head, read_head_folder, write_head_folder
+from .tensors import DTYPES, decode, read_tensors
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+PROMISE = "Set HF_HUB_OFFLINE=1 to prevent the download, or pass --mtp-head <folder>."
+MAX_CHAIN = 6  # base_model hops before giving up (fine-tune -> quantized -> ... -> original)
+_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+Notify = Callable[[str], None]
+
+
+def cache_root() -> Path:
+    """DYNO_CACHE, else $XDG_CACHE_HOME/dyno, else ~/.cache/dyno."""
+    if os.environ.get("DYNO_CACHE"):
+        return Path(os.environ["DYNO_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "dyno"
+
+
+def head_cache_dir() -> Path:
+    return cache_root() / "mtp"
+
+
+def cached_head_path(repo_id: str) -> Path:
+    """One head per base model: <cache>/mtp/<org>--<name>."""
+    return head_cache_dir() / repo_id.replace("/", "--")
+
+
+def offline() -> bool:
+    """HF_HUB_OFFLINE read now (huggingface_hub reads it once, at import)."""
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE", "")
+    return constants.HF_HUB_OFFLINE or value.upper() in ("1", "ON", "YES", "TRUE")
+
+
+def card_base_models(readme: Path) -> List[str]:
+    """The `base_model` entries of a model card's metadata (a string or a list)."""
+    from huggingface_hub.repocard import metadata_load
+
+    try:
+        meta = metadata_load(readme) or {}
+    except Exception:  # a malformed card is no base model, not a crash
+        return []
+    base = meta.get("base_model") or []
+    return [b for b in ([base] if isinstance(base, str) else base) if isinstance(b, str) and _REPO_ID.match(b)]
+
+
+def config_hints(config: dict) -> List[str]:
+    """Repo ids some converters leave in config.json."""
+    hints = [config.get(k) for k in ("base_model", "_name_or_path")]
+    return [h for h in hints if isinstance(h, str) and _REPO_ID.match(h)]
+
+
+def _mtp_names(weight_map: Dict[str, str]) -> Dict[str, str]:
+    from .mtp import CHECKPOINT_PREFIXES
+
+    return {k: v for k, v in weight_map.items() if k.startswith(CHECKPOINT_PREFIXES)}
+
+
+class Hub:
+    """The few Hub operations Dyno needs, through huggingface_hub (endpoint, token, cache, UA)."""
+
+    def __init__(self, notify: Notify):
+        self.notify = notify
+        self.unreachable: List[str] = []  # repos we could not look into (offline, not cached)
+
+    def cached(self, repo: str, filename: str) -> Optional[Path]:
+        """A file of `repo` already in the local Hugging Face cache."""
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo, filename)
+        return Path(found) if isinstance(found, str) else None
+
+    def file(self, repo: str, filename: str, revision: Optional[str] = None) -> Optional[Path]:
+        """A small file (card, index), from the cache or downloaded; None if the repo lacks it."""
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+        if offline():
+            found = self.cached(repo, filename)
+            if found is None and repo not in self.unreachable:
+                self.unreachable.append(repo)
+            return found
+        try:
+            return Path(hf_hub_download(repo, filename, revision=revision))
+        except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
+            return None
+        except Exception as e:
+            raise DynoError(f"cannot reach the Hub for {repo}/{filename}: {_one_line(e)}") from None
+
+    def weight_map(self, repo: str, revision: Optional[str] = None) -> Optional[Dict[str, str]]:
+        """Tensor name -> shard for `repo`, from its index (None when it has no index)."""
+        path = self.file(repo, INDEX, revision)
+        if path is None:
+            return None
+        try:
+            return json.loads(path.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise DynoError(f"bad {INDEX} in {repo}: {_one_line(e)}") from None
+
+    def ships_head(self, repo: str) -> bool:
+        wm = self.weight_map(repo)
+        return bool(wm and _mtp_names(wm))
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def find_base(model_folder: Path, config: dict, hub: Hub, mtp_base: Optional[str] = None) -> Optional[str]:
+    """The repository whose index ships mtp.* tensors for this model: --mtp-base, else the
+    model card's base_model chain (fine-tunes, abliterated and quantized versions), else config hints."""
+    if mtp_base:
+        return mtp_base
+    frontier = card_base_models(model_folder / "README.md") + config_hints(config)
+    seen = set()
+    for _ in range(MAX_CHAIN):
+        next_frontier = []
+        for repo in frontier:
+            if repo in seen:
+                continue
+            seen.add(repo)
+            if cached_head_path(repo).exists() or hub.ships_head(repo):
+                return repo
+            card = hub.file(repo, "README.md")
+            if card is not None:
+                next_frontier += card_base_models(card)
+        if not next_frontier:
+            return None
+        frontier = next_frontier
+    return None
+
+
+def extract_from_hf_cache(repo: str, hub: Hub) -> Optional[HeadWeights]:
+    """The head of a full checkpoint already in the local HF cache, reading only mtp.* tensors."""
+    index = hub.cached(repo, INDEX)
+    if index is None:
+        return None
+    folder = index.parent
+    weight_map = json.loads(index.read_text())["weight_map"]
+    shards = set(_mtp_names(weight_map).values())
+    if not shards or any(hub.cached(repo, s) is None for s in shards):
+        return None
+    head = read_checkpoint_head(folder)
+    if head is not None:
+        head.source = f"{repo} (local Hugging Face cache)"
+        head.provenance["source"] = {"repo": repo, "revision": folder.name, "via": "hf-cache"}
+    return head
+
+
+def _ranges(entries: List[Tuple[str, int, int]]) -> List[Tuple[int, int, List[Tuple[str, int, int]]]]:
+    """Merge byte ranges [start, end) that touch, so contiguous tensors come in one request."""
+    merged = []
+    for name, start, end in sorted(entries, key=lambda e: e[1]):
+        if merged and merged[-1][1] == start:
+            merged[-1][1] = end
+            merged[-1][2].append((name, start, end))
+        else:
+            merged.append([start, end, [(name, start, end)]])
+    return [tuple(m) for m in merged]
+
+
+def download_head(repo: str, hub: Hub, revision: Optional[str] = None) -> HeadWeights:
+    """Fetch only the head's tensors from `repo`: index, shard headers, then their byte ranges."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    try:
+        meta = get_hf_file_metadata(hf_hub_url(repo, INDEX, revision=revision))
+        commit = meta.commit_hash or revision
+    except Exception as e:
+        raise DynoError(f"cannot reach the Hub for {repo}: {_one_line(e)}") from None
+    weight_map = hub.weight_map(repo, commit) or {}
+    names = _mtp_names(weight_map)
+    if not names:
+        raise DynoError(f"{repo} has no mtp.* tensors in its {INDEX}")
+    headers = build_hf_headers()
+    session = get_session()
+    plan = {}
+    for shard in sorted(set(names.values())):
+        url = hf_hub_url(repo, shard, revision=commit)
+        base, table = _remote_header(session, url, headers)
+        plan[shard] = (url, base, {n: table[n] for n in names if names[n] == shard})
+    total = sum(e["data_offsets"][1] - e["data_offsets"][0] for _, _, t in plan.values() for e in t.values())
+    hub.notify(f"dyno: fetching the MTP head of {repo} ({total / 1e9:.2f} GB). {PROMISE}")
+    tensors, hashes = {}, {}
+    with hf_tqdm(total=total, unit="B", unit_scale=True, desc=f"MTP head {repo}") as bar:
+        for shard, (url, base, table) in plan.items():
+            entries = [(n, e["data_offsets"][0], e["data_offsets"][1]) for n, e in table.items()]
+            for start, end, parts in _ranges(entries):
+                raw = _get_range(session, url, headers, base + start, base + end, bar)
+                for name, s, e in parts:
+                    chunk = raw[s - start : e - start]
+                    info = table[name]
+                    tensors[name] = _checked(decode(chunk, info["dtype"], info["shape"]), name, repo)
+                    hashes[name] = hashlib.sha256(chunk).hexdigest()
+    weights = HeadWeights(
+        {k[len(_prefix(k)):]: v for k, v in tensors.items()}, norms_shifted=False,
+        source=f"{repo}@{commit}" if commit else repo,
+        provenance={"source": {"repo": repo, "revision": commit, "via": "download",
+                               "files": sorted(plan), "sha256": hashes, "bytes": total}},
+    )
+    return weights
+
+
+def _prefix(name: str) -> str:
+    from .mtp import CHECKPOINT_PREFIXES
+
+    return next(p for p in CHECKPOINT_PREFIXES if name.startswith(p))
+
+
+def _checked(arr, name: str, repo: str):
+    """A float tensor with NaN or inf is a corrupt range, not a head."""
+    import mlx.core as mx
+
+    if mx.issubdtype(arr.dtype, mx.floating) and not mx.all(mx.isfinite(arr)).item():
+        raise DynoError(f"corrupt data for {name} from {repo}: non-finite values; run again to retry")
+    return arr
+
+
+def _remote_header(session, url: str, headers: dict) -> Tuple[int, dict]:
+    """(data start offset, tensor table) of a remote safetensors file, by two range requests."""
+    import struct
+
+    (n,) = struct.unpack("<Q", _get_range(session, url, headers, 0, 8))
+    try:
+        table = json.loads(_get_range(session, url, headers, 8, 8 + n))
+    except ValueError:
+        raise DynoError(f"corrupt safetensors header in {url}; run again to retry") from None
+    table.pop("__metadata__", None)
+    for name, entry in table.items():
+        if entry.get("dtype") not in DTYPES:
+            raise DynoError(f"unsupported dtype {entry.get('dtype')} for {name} in {url}")
+    return 8 + n, table
+
+
+def _get_range(session, url: str, headers: dict, start: int, end: int, bar=None) -> bytes:
+    """Bytes [start, end) of `url`; the reply must be exactly that range."""
+    want = f"bytes {start}-{end - 1}/"
+    try:
+        with session.stream("GET", url, headers={**headers, "Range": f"bytes={start}-{end - 1}"},
+                            follow_redirects=True) as r:
+            if r.status_code != 206 or not r.headers.get("Content-Range", "").startswith(want):
+                raise DynoError(f"bad range reply from {url}: status {r.status_code}, "
+                                f"Content-Range {r.headers.get('Content-Range')!r}, wanted {want}...")
+            buf = bytearray()
+            for chunk in r.iter_bytes():
+                buf += chunk
+                if bar is not None:
+                    bar.update(len(chunk))
+    except DynoError:
+        raise
+    except Exception as e:
+        raise DynoError(f"download from {url} was interrupted ({_one_line(e)}); run again to retry") from None
+    if len(buf) != end - start:
+        raise DynoError(f"download from {url} was cut short ({len(buf)} of {end - start} bytes); run again to retry")
+    return bytes(buf)
+
+
+def _offline_error(model_folder: Path, repos: List[str]) -> DynoError:
+    return DynoError(
+        f"no MTP head for {model_folder.name}: looked for {', '.join(repos)} in {head_cache_dir()} and in "
+        f"the Hugging Face cache; HF_HUB_OFFLINE=1 prevents downloading it. Pass --mtp-head <folder>."
+    )
+
+
+def resolve_head(model_folder: Path, config: dict, notify: Notify, mtp_head: Optional[str] = None,
+                 mtp_base: Optional[str] = None) -> Optional[HeadWeights]:
+    """The head for a model, or None; caches what it extracts or downloads."""
+    if mtp_head:
+        return read_head_folder(Path(mtp_head).expanduser())
+    own = read_checkpoint_head(model_folder)
+    if own is not None:
+        return own
+    hub = Hub(notify)
+    base = find_base(model_folder, config, hub, mtp_base)
+    if base is None and hub.unreachable:
+        raise _offline_error(model_folder, hub.unreachable)
+    if base is None:
+        return None
+    cached = cached_head_path(base)
+    if cached.exists():
+        return read_head_folder(cached)
+    head = extract_from_hf_cache(base, hub)
+    if head is None:
+        if offline():
+            raise _offline_error(model_folder, [base])
+        head = download_head(base, hub)
+    text_config = config.get("text_config", config)
+    write_head_folder(cached, head, text_config, extra={"base_model": base})
+    return read_head_folder(cached)

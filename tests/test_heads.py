@@ -1,0 +1,172 @@
+"""Heads for models that lost theirs: base_model chains, the local HF cache, ranged downloads
+from a real HTTP server speaking the Hub's file protocol, offline mode, and failures."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tiny_models
+from conftest import plain_greedy
+from fake_hub import FakeHub
+from speculative.heads import PROMISE
+from speculative.loader import load_model
+from speculative.tensors import read_header
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARD = "model-00002-of-00002.safetensors"  # where tiny_models puts the head
+PROMPT = "def add(a, b):\n    return a + b\n"
+
+
+def card(base):
+    return f"---\nbase_model: {base}\nlibrary_name: mlx\n---\n# a model\n"
+
+
+@pytest.fixture(scope="module")
+def repos(tmp_path_factory):
+    """org/original (raw HF, with head) <- org/finetune (no head) <- a local MLX conversion."""
+    from mlx_lm import convert
+
+    root = tmp_path_factory.mktemp("repos")
+    original = tiny_models.build(root / "original", **{k: v for k, v in tiny_models_config().items()})
+    (original / "README.md").write_text("---\nlicense: apache-2.0\n---\n# original\n")
+    finetune = root / "finetune"
+    shutil.copytree(original, finetune)
+    index = json.loads((finetune / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith("mtp.")}
+    (finetune / "model.safetensors.index.json").write_text(json.dumps(index))
+    (finetune / "README.md").write_text(card("org/original"))
+    conversion = root / "conversion"
+    convert(hf_path=str(original), mlx_path=str(conversion))
+    (conversion / "README.md").write_text(card("org/finetune"))
+    head_bytes = sum(e["data_offsets"][1] - e["data_offsets"][0]
+                     for n, e in read_header(original / SHARD).items() if n.startswith("mtp."))
+    return {"original": original, "finetune": finetune, "conversion": conversion, "head_bytes": head_bytes}
+
+
+def tiny_models_config():
+    return {"seed": 1}
+
+
+@pytest.fixture
+def hub(repos):
+    with FakeHub() as h:
+        h.add("org/original", repos["original"])
+        h.add("org/finetune", repos["finetune"])
+        yield h
+
+
+@pytest.fixture
+def env(tmp_path, hub):
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_"))}
+    e.update(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "hf"), DYNO_CACHE=str(tmp_path / "dyno"),
+             HF_HUB_DISABLE_TELEMETRY="1")
+    return e
+
+
+def dyno(env, *args, offline=False):
+    e = dict(env, HF_HUB_OFFLINE="1") if offline else env
+    return subprocess.run([sys.executable, "-m", "dyno_ui", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=e, timeout=300)
+
+
+def generate(env, model, *extra, offline=False):
+    return dyno(env, "generate", "--model", str(model), "--prompt", PROMPT, "--max-tokens", "40",
+                "--json", *extra, offline=offline)
+
+
+def test_download_fetches_only_the_head_then_works_offline(repos, hub, env, tmp_path):
+    r = generate(env, repos["conversion"], "--speculative", "mtp")
+    assert r.returncode == 0, r.stderr
+    assert f"dyno: fetching the MTP head of org/original" in r.stderr and PROMISE in r.stderr
+    out = json.loads(r.stdout)
+    lm = load_model(repos["conversion"], mode="off")
+    assert out["tokens"] == plain_greedy(lm, lm.tokenizer.encode(PROMPT), 40)
+    assert out["speculative"]["mode"] == "mtp"
+    # Bytes of safetensors bodies: the head's ranges plus two small header reads per shard.
+    header = 8 + int.from_bytes((repos["original"] / SHARD).read_bytes()[:8], "little")
+    sent = hub.body_bytes("org/original", ".safetensors")
+    assert repos["head_bytes"] <= sent <= repos["head_bytes"] + header
+    assert sent < 0.5 * (repos["original"] / SHARD).stat().st_size
+    assert hub.body_bytes("org/finetune", ".safetensors") == 0
+    cached = tmp_path / "dyno" / "mtp" / "org--original"
+    config = json.loads((cached / "config.json").read_text())
+    assert config["norms_shifted"] is True and config["base_model"] == "org/original"
+    assert config["source"]["repo"] == "org/original" and config["source"]["via"] == "download"
+    assert config["source"]["revision"] == hub.repos["org/original"][1]
+    assert len(config["source"]["sha256"]) == 15
+    # Second run: from the Dyno cache, offline, same output.
+    hub.requests.clear()
+    again = generate(env, repos["conversion"], "--speculative", "mtp", offline=True)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["tokens"] == out["tokens"] and hub.requests == []
+
+
+def _fill_hf_cache(hf: Path, repo: str, folder: Path, commit: str):
+    snap = hf / f"models--{repo.replace('/', '--')}" / "snapshots" / commit
+    shutil.copytree(folder, snap)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text(commit)
+
+
+def test_extracts_from_local_hf_cache_offline(repos, hub, env, tmp_path):
+    for repo in ("org/original", "org/finetune"):
+        _fill_hf_cache(tmp_path / "hf", repo, repos[repo.split("/")[1]], hub.repos[repo][1])
+    r = generate(env, repos["conversion"], "--speculative", "mtp", offline=True)
+    assert r.returncode == 0, r.stderr
+    assert hub.requests == []  # offline: nothing touched the network
+    config = json.loads((tmp_path / "dyno" / "mtp" / "org--original" / "config.json").read_text())
+    assert config["source"]["via"] == "hf-cache"
+
+
+def test_offline_with_nothing_cached(repos, env, tmp_path):
+    r = generate(env, repos["conversion"], "--speculative", "mtp", offline=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "dyno: error: no MTP head for conversion: looked for org/finetune in "
+        f"{tmp_path / 'dyno' / 'mtp'} and in the Hugging Face cache; HF_HUB_OFFLINE=1 prevents "
+        "downloading it. Pass --mtp-head <folder>."
+    )
+    auto = generate(env, repos["conversion"], offline=True)
+    assert auto.returncode == 0
+    assert auto.stderr.splitlines()[0] == "dyno: decoding without drafts: " + r.stderr.splitlines()[-1][13:]
+    assert json.loads(auto.stdout)["speculative"]["mode"] is None
+
+
+def test_interrupted_download_leaves_nothing_and_retry_succeeds(repos, hub, env, tmp_path):
+    hub.drop_after[SHARD] = 1000  # connection dies part-way through the head's byte range
+    r = generate(env, repos["conversion"], "--speculative", "mtp")
+    assert r.returncode == 2
+    assert "was interrupted" in r.stderr or "was cut short" in r.stderr
+    assert "Traceback" not in r.stderr
+    mtp_dir = tmp_path / "dyno" / "mtp"
+    assert not mtp_dir.exists() or list(mtp_dir.iterdir()) == []
+    retry = generate(env, repos["conversion"], "--speculative", "mtp")
+    assert retry.returncode == 0, retry.stderr
+    assert (mtp_dir / "org--original" / "mtp.safetensors").exists()
+
+
+def test_corrupt_range_detected(repos, hub, env, tmp_path):
+    hub.corrupt.add(SHARD)
+    r = generate(env, repos["conversion"], "--speculative", "mtp")
+    assert r.returncode == 2
+    assert "dyno: error: corrupt data for mtp." in r.stderr
+    assert not (tmp_path / "dyno" / "mtp" / "org--original").exists()
+
+
+def test_head_pull_list_and_models(repos, hub, env, tmp_path):
+    pulled = dyno(env, "head", "pull", str(repos["conversion"]))
+    assert pulled.returncode == 0, pulled.stderr
+    assert pulled.stdout.startswith(f"MTP head of org/original: {tmp_path / 'dyno' / 'mtp' / 'org--original'} (")
+    listed = dyno(env, "head", "list")
+    row = listed.stdout.splitlines()[1].split()
+    assert row[0] == "org/original" and row[2] == "MB" and row[3] == "dense"
+    assert row[4].startswith("org/original@") and row[-1] == "download"
+    models = dyno(env, "models", str(repos["conversion"]), str(repos["original"]), offline=True)
+    lines = {l.split()[0]: l for l in models.stdout.splitlines()[1:]}
+    assert lines[str(repos["conversion"])].endswith("cached")
+    assert lines[str(repos["original"])].endswith("in checkpoint")
