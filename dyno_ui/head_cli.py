@@ -86,7 +86,8 @@ def cmd_head_list(args) -> int:
         origin = src.get("repo") or src.get("from", "?")
         rev = (src.get("revision") or "")[:12]
         rows.append((cfg.get("base_model", folder.name.replace("--", "/")), f"{_size(folder) / 1e6:.1f} MB",
-                     cfg.get("architecture", "?"), f"{origin}@{rev} via {src.get('via', '?')}" if rev else origin))
+                     "moe (bf16 experts)" if cfg.get("architecture") == "moe" else cfg.get("architecture", "?"),
+                     f"{origin}@{rev} via {src.get('via', '?')}" if rev else origin))
     if not rows:
         print(f"no cached MTP heads in {root}")
         return 0

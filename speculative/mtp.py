@@ -158,11 +158,13 @@ def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra:
             "format": HEAD_FORMAT,
             "format_version": HEAD_FORMAT_VERSION,
             "norms_shifted": True,
-            "architecture": "moe" if text_config.get("num_experts", 0) else "dense",
+            "architecture": "moe" if is_moe_head(head.tensors) else "dense",
             "text_config": text_config,
             "source": {"from": head.source, **head.provenance.get("source", {})},
             **(extra or {}),
         }
+        if config["architecture"] == "moe":  # quantized MoE heads collapse acceptance (5-11% vs 79-85%)
+            config["moe_experts_dtype"] = "bfloat16 (never quantized)"
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if folder.exists():
             shutil.rmtree(folder)
@@ -173,12 +175,58 @@ def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra:
     return folder
 
 
+_EXPERT_RE = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|scales|biases)$")
+
+
+def sanitize_moe(tensors: Dict[str, mx.array], quantization: Optional[dict] = None) -> Dict[str, mx.array]:
+    """MoE head tensors in checkpoint layouts -> mlx-lm's SwitchGLU names, experts in bf16.
+
+    Fused: experts.gate_up_proj [E, 2I, H] (gate is the first half of dim -2, no transpose) and
+    experts.down_proj [E, H, I]. One by one: experts.{e}.{gate,up,down}_proj.*, stacked; quantized
+    ones are dequantized, since a quantized MoE head is reported to collapse acceptance.
+    """
+    out, per_expert = {}, {}
+    for name, v in tensors.items():
+        if m := _EXPERT_RE.match(name):
+            per_expert.setdefault((m.group(1), m.group(3), m.group(4)), {})[int(m.group(2))] = v
+        elif name.endswith(".experts.gate_up_proj"):
+            prefix, mid = name[: -len(".experts.gate_up_proj")], v.shape[-2] // 2
+            out[f"{prefix}.switch_mlp.gate_proj.weight"] = v[..., :mid, :]
+            out[f"{prefix}.switch_mlp.up_proj.weight"] = v[..., mid:, :]
+        elif name.endswith(".experts.down_proj"):
+            out[f"{name[: -len('.experts.down_proj')]}.switch_mlp.down_proj.weight"] = v
+        else:
+            out[name] = v
+    for (prefix, proj, kind), by_e in per_expert.items():
+        if kind != "weight":
+            continue
+        stack = lambda k: mx.stack([per_expert[(prefix, proj, k)][e] for e in sorted(by_e)])
+        w = stack("weight")
+        if (prefix, proj, "scales") in per_expert:
+            q = quantization or {"group_size": 64, "bits": 4}
+            biases = stack("biases") if (prefix, proj, "biases") in per_expert else None
+            w = mx.dequantize(w, stack("scales"), biases, q["group_size"], q["bits"]).astype(mx.bfloat16)
+        out[f"{prefix}.switch_mlp.{proj}_proj.weight"] = w
+    return out
+
+
+def is_moe_head(tensors: Dict[str, mx.array]) -> bool:
+    return any(".mlp.gate.weight" in k or ".experts." in k or ".switch_mlp." in k for k in tensors)
+
+
 def build_head(args, weights: HeadWeights, quantization: Optional[dict] = None) -> MTPHead:
     """Make an MTPHead for a trunk with `args` and load `weights`, checking every shape."""
-    tensors = weights.shifted()
+    tensors = sanitize_moe(weights.shifted(), quantization)
+    trunk_moe = getattr(args, "num_experts", 0) > 0
+    if is_moe_head(tensors) != trunk_moe:
+        kinds = ("a mixture-of-experts", "a dense") if trunk_moe else ("a dense", "a mixture-of-experts")
+        raise DynoError(
+            f"MTP head in {weights.source} does not fit this model: the model is {kinds[0]} model "
+            f"but the head is {kinds[1]} head"
+        )
     layer_ids = {int(m.group(1)) for k in tensors if (m := re.match(r"layers\.(\d+)\.", k))}
     head = MTPHead(args, num_layers=max(layer_ids) + 1 if layer_ids else 1)
-    if quantization and any(k.endswith(".scales") for k in tensors):
+    if quantization and any(k.endswith(".scales") for k in tensors):  # a quantized dense layer
         nn.quantize(head, quantization["group_size"], quantization["bits"],
                     class_predicate=lambda p, m: f"{p}.scales" in tensors)
     expected = dict(tree_flatten(head.parameters()))

@@ -18,6 +18,8 @@ CONFIGS = {
     "untied-mha": dict(seed=10, tie_word_embeddings=False, num_key_value_heads=4),
     "gqa4-gdn1to1": dict(seed=11, num_key_value_heads=1, linear_num_value_heads=2, num_hidden_layers=8),
     "text-only": dict(seed=4, wrapper=False, linear_num_key_heads=1, linear_num_value_heads=4),
+    "moe-fused": dict(seed=7, moe=True),
+    "moe-per-expert": dict(seed=7, moe=True, head_experts="per-expert", wrapper=False),
 }
 
 

@@ -76,9 +76,10 @@ def chi_square(counts, joint, n):
     return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
 
 
-@pytest.mark.parametrize("drafter", ["shadow", "mtp-head"])
-def test_first_tokens_follow_the_model(tiny_lm, drafter):
-    lm = tiny_lm()
+@pytest.mark.parametrize("name, drafter", [("tied-gqa2", "shadow"), ("tied-gqa2", "mtp-head"),
+                                           ("moe-fused", "mtp-head")])
+def test_first_tokens_follow_the_model(tiny_lm, name, drafter):
+    lm = tiny_lm(name)
     prompt = lm.tokenizer.encode("x = ")
     joint = exact_joint(lm, prompt)
     cls = ShadowSpeculator if drafter == "shadow" else Speculator

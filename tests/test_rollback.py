@@ -60,11 +60,12 @@ def assert_caches_equal(spec, trunk, head_cache):
     assert_close(got.values[..., : want.offset, :], want.values[..., : want.offset, :], "head values")
 
 
-@pytest.mark.parametrize("path", ["per-step-states", "replay"])
-def test_rollback_matches_fresh_run(tiny_lm, monkeypatch, path):
+@pytest.mark.parametrize("name, path", [("gqa4-gdn1to1", "per-step-states"), ("gqa4-gdn1to1", "replay"),
+                                        ("moe-fused", "per-step-states")])
+def test_rollback_matches_fresh_run(tiny_lm, monkeypatch, name, path):
     if path == "replay":  # the branch Metal takes: only the final state, replay on commit
         monkeypatch.setattr(target_mod, "_kernel_path", lambda layer, q: True)
-    lm = tiny_lm("gqa4-gdn1to1")
+    lm = tiny_lm(name)
     prompt = lm.tokenizer.encode("import os\nimport sys\n\n")
     reference = plain_greedy(lm, prompt, 80, stop_at_eos=False)
     spec = CoinFlipSpeculator(lm, SamplingParams(max_tokens=80), 3, 2048, reference=reference,

@@ -73,11 +73,42 @@ def write_tokenizer(folder: Path) -> None:
     }, indent=1))
 
 
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=48, decoder_sparse_step=1, norm_topk_prob=True)
+
+
+def _hf_experts(weights: dict, per_expert: bool) -> dict:
+    """mlx-lm SwitchGLU names -> the HF layout: fused gate_up_proj/down_proj, or one by one."""
+    out = {}
+    for name, v in weights.items():
+        if ".switch_mlp." not in name:
+            out[name] = v
+            continue
+        prefix, proj = name.split(".switch_mlp.")
+        proj = proj.split(".")[0]  # gate_proj / up_proj / down_proj
+        if per_expert:
+            for e in range(v.shape[0]):
+                out[f"{prefix}.experts.{e}.{proj}.weight"] = v[e]
+        elif proj == "down_proj":
+            out[f"{prefix}.experts.down_proj"] = v
+        elif proj == "gate_proj":
+            up = weights[name.replace("gate_proj", "up_proj")]
+            out[f"{prefix}.experts.gate_up_proj"] = mx.concatenate([v, up], axis=-2)
+    return out
+
+
 def build(folder, seed: int = 0, with_head: bool = True, dtype=mx.float32, wrapper: bool = True,
-          generation_config: dict = None, **overrides) -> Path:
-    """Write a random tiny checkpoint in raw HF layout to `folder`; returns the folder."""
+          generation_config: dict = None, moe: bool = False, head_experts: str = "fused",
+          **overrides) -> Path:
+    """Write a random tiny checkpoint in raw HF layout to `folder`; returns the folder.
+
+    moe=True builds a qwen3_5_moe model; head_experts is "fused" or "per-expert" (the head's
+    expert layout; the trunk is always fused, as mlx-lm expects).
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if moe:
+        overrides = {**MOE, "model_type": "qwen3_5_moe_text", **overrides}
     tc = text_config(**overrides)
     key = mx.random.key(seed)
     mx.random.seed(seed)
@@ -91,9 +122,11 @@ def build(folder, seed: int = 0, with_head: bool = True, dtype=mx.float32, wrapp
             v = v.moveaxis(2, 1)  # mlx [C, K, 1] -> HF [C, 1, K]
         hf = name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
         weights[hf if wrapper else name] = v.astype(dtype)
+    weights = _hf_experts(weights, per_expert=False)
     if with_head:
         head = MTPHead(model.args)
         hp = _randomize_norms(dict(tree_flatten(head.parameters())), mx.random.split(key)[1])
+        hp = _hf_experts(hp, per_expert=head_experts == "per-expert")
         for name, v in hp.items():
             weights[f"mtp.{name}"] = (v - 1.0 if _NORM_RE.match(name) else v).astype(dtype)
     names = sorted(weights)
@@ -107,10 +140,11 @@ def build(folder, seed: int = 0, with_head: bool = True, dtype=mx.float32, wrapp
         weight_map.update({k: file for k in keys})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     if wrapper:
-        config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        config = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+                  "model_type": "qwen3_5_moe" if moe else "qwen3_5",
                   "text_config": tc, "tie_word_embeddings": tc["tie_word_embeddings"]}
     else:
-        config = dict(tc, architectures=["Qwen3_5ForCausalLM"])
+        config = dict(tc, architectures=["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"])
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     if generation_config is not None:
         (folder / "generation_config.json").write_text(json.dumps(generation_config))

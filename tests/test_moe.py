@@ -1,0 +1,49 @@
+"""Mixture-of-experts heads: both expert layouts load to the same head; mismatches are refused."""
+
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import tiny_models
+from speculative.errors import DynoError
+from speculative.loader import load_model
+from speculative.mtp import read_checkpoint_head, write_head_folder
+
+
+def params(lm):
+    return {k: np.array(v) for k, v in tree_flatten(lm.head.parameters())}
+
+
+def test_expert_layouts_load_identically(tiny_lm):
+    fused, per_expert = params(tiny_lm("moe-fused")), params(tiny_lm("moe-per-expert"))
+    assert "layers.0.mlp.switch_mlp.gate_proj.weight" in fused
+    assert fused["layers.0.mlp.switch_mlp.gate_proj.weight"].shape == (4, 32, 64)
+    assert fused.keys() == per_expert.keys()
+    for name in fused:  # same seed, same head: only the storage layout differs
+        np.testing.assert_array_equal(fused[name], per_expert[name], err_msg=name)
+
+
+def test_moe_head_norms_shifted_once(tiny_dir, tiny_lm):
+    raw = read_checkpoint_head(tiny_dir("moe-fused"))
+    assert len(raw.tensors) == 19 and raw.norms_shifted is False
+    loaded = params(tiny_lm("moe-fused"))
+    np.testing.assert_array_equal(loaded["norm.weight"], np.array(raw.tensors["norm.weight"]) + 1.0)
+    np.testing.assert_array_equal(loaded["layers.0.mlp.shared_expert_gate.weight"],
+                                  np.array(raw.tensors["layers.0.mlp.shared_expert_gate.weight"]))
+
+
+def test_dense_head_on_moe_trunk_refused(tiny_dir, tmp_path):
+    dense = write_head_folder(tmp_path / "dense", read_checkpoint_head(tiny_dir()), tiny_models.text_config())
+    with pytest.raises(DynoError) as e:
+        load_model(tiny_dir("moe-fused"), mode="mtp", mtp_head=str(dense))
+    assert e.value.message == (f"MTP head in {dense} does not fit this model: the model is a "
+                               f"mixture-of-experts model but the head is a dense head")
+
+
+def test_wrong_expert_count_refused(tiny_dir, tmp_path):
+    other = tiny_models.build(tmp_path / "e8", seed=7, moe=True, num_experts=8)
+    folder = write_head_folder(tmp_path / "head", read_checkpoint_head(other), {})
+    with pytest.raises(DynoError) as e:
+        load_model(tiny_dir("moe-fused"), mode="mtp", mtp_head=str(folder))
+    assert e.value.message == (f"MTP head in {folder} does not fit this model: mtp.layers.0.mlp.gate.weight "
+                               f"has shape [8, 64], the model needs [4, 64]")
