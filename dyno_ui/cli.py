@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .head_cli import add_commands as add_head_commands
 
     add_head_commands(sub)
+    from .bench_cli import add_commands as add_bench_commands
+
+    add_bench_commands(sub)
+    from .serve import add_command as add_serve_command
+
+    add_serve_command(sub)
     return parser
 
 

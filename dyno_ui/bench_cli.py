@@ -1,0 +1,168 @@
+"""`dyno bench` and `dyno tune`: paired speed measurements and the stored best depth."""
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from speculative.errors import DynoError
+
+from .bench_suites import SUITES
+from .models import default_model
+
+
+def add_commands(sub) -> None:
+    b = sub.add_parser("bench", help="measure Dyno against plain mlx-lm, side by side",
+                       description="Paired, alternating runs: plain mlx-lm, Dyno off, Dyno mtp at each depth.")
+    b.add_argument("--model", help="model folder (default: the bundled dyno-tiny)")
+    b.add_argument("--suite", default="code", choices=[*SUITES, "all"])
+    b.add_argument("--depths", default="1,2,3,4", help="comma-separated draft depths (default: %(default)s)")
+    b.add_argument("--temp", type=float, nargs="+", default=[0.0], metavar="T", help="temperatures (default: 0)")
+    b.add_argument("--top-p", type=float, default=0.95, help="top-p when T > 0 (default: %(default)s)")
+    b.add_argument("--top-k", type=int, default=20, help="top-k when T > 0 (default: %(default)s)")
+    b.add_argument("--max-tokens", type=int, default=200)
+    b.add_argument("--pairs", type=int, default=5, help="measured cycles per prompt (default: %(default)s)")
+    b.add_argument("--json", metavar="FILE", help="write the JSON record here")
+    b.add_argument("--plot", metavar="FILE", help="write a Plotly chart (FILE.html, and FILE.png if kaleido works)")
+    b.set_defaults(func=cmd_bench)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _machine() -> dict:
+    import mlx.core as mx
+    import mlx_lm
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "backend": str(mx.default_device())}
+
+
+def cmd_bench(args) -> int:
+    from speculative.bench import cost_model, paired_benchmark, speedup_bound
+    from speculative.config import SamplingParams
+    from speculative.loader import load_model
+
+    try:
+        depths = sorted({int(d) for d in args.depths.split(",")})
+    except ValueError:
+        raise DynoError(f"--depths must be comma-separated integers, got {args.depths!r}") from None
+    if args.pairs < 1:
+        raise DynoError(f"--pairs must be at least 1, got {args.pairs}")
+    lm = load_model(args.model or default_model(), mode="mtp")
+    suites = list(SUITES) if args.suite == "all" else [args.suite]
+    record = {"machine": _machine(), "model": str(lm.path), "quantization": lm.config.get("quantization"),
+              "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "settings": {"depths": depths, "temps": args.temp, "max_tokens": args.max_tokens, "pairs": args.pairs,
+                           "top_p": args.top_p, "top_k": args.top_k}, "results": []}
+    first_prompt = None
+    for suite in suites:
+        for item in SUITES[suite]:
+            prompt = _encode(lm, item)
+            first_prompt = first_prompt or prompt
+            for temp in args.temp:
+                params = SamplingParams(temperature=temp, top_p=args.top_p if temp else 1.0,
+                                        top_k=args.top_k if temp else 0, max_tokens=args.max_tokens, seed=0)
+                print(f"[{suite}] T={temp} {item['prompt'][:40]!r}...", file=sys.stderr, flush=True)
+                res = paired_benchmark(lm, prompt, params, depths, pairs=args.pairs)
+                record["results"].append({"suite": suite, "prompt": item["prompt"], "temperature": temp, **res})
+    costs = cost_model(lm, first_prompt, depths)
+    record["cost_model"] = costs
+    _add_bounds(record, costs, speedup_bound)
+    _print_table(record)
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        _plot(record, args.plot)
+    return 0
+
+
+def _encode(lm, item) -> list:
+    if item.get("chat"):
+        return lm.tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
+                                                add_generation_prompt=True, tokenize=True)
+    return lm.tokenizer.encode(item["prompt"])
+
+
+def _add_bounds(record, costs, bound) -> None:
+    """Per result and depth: the cost-model bound and the engine efficiency."""
+    t1, td = costs["T1"], costs["Td"]
+    for res in record["results"]:
+        for s in res["settings"].values():
+            k = s["depth"]
+            if k and s["tokens_per_round"]:
+                s["bound"] = bound(s["tokens_per_round"], t1, costs["Tv"][k], td, k)
+                s["efficiency"] = s["ratio"]["median"] / s["bound"]
+
+
+def _aggregate(record):
+    """Median over prompts of each (suite, temperature, setting)."""
+    import statistics
+
+    rows = {}
+    for res in record["results"]:
+        for name, s in res["settings"].items():
+            key = (res["suite"], res["temperature"], name)
+            rows.setdefault(key, []).append(s)
+    out = []
+    for (suite, temp, name), ss in rows.items():
+        med = lambda f: statistics.median([f(s) for s in ss if f(s) is not None]) if any(f(s) is not None for s in ss) else None
+        out.append({"suite": suite, "temperature": temp, "setting": name,
+                    "ratio": med(lambda s: s["ratio"]["median"]),
+                    "ratio_min": min(s["ratio"]["min"] for s in ss), "ratio_max": max(s["ratio"]["max"] for s in ss),
+                    "tps": med(lambda s: s["decode_tps"]["median"]), "tpr": med(lambda s: s["tokens_per_round"]),
+                    "bound": med(lambda s: s.get("bound")), "efficiency": med(lambda s: s.get("efficiency")),
+                    "identical": all(s["identical"] is not False for s in ss) if ss[0]["identical"] is not None else None,
+                    "acceptance": ss[0]["acceptance_by_position"]})
+    return out
+
+
+def _print_table(record) -> None:
+    rows = _aggregate(record)
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    print(f"{'suite':10} {'T':>4} {'setting':8} {'tok/s':>7} {'vs mlx-lm':>18} {'tok/round':>9} "
+          f"{'bound':>6} {'eff':>5} {'same':>5}  acceptance by position")
+    for r in rows:
+        rng = f"{fmt(r['ratio'], '.2f')}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+        same = {True: "yes", False: "NO", None: "-"}[r["identical"]]
+        acc = " ".join(f"{a:.2f}" for a in r["acceptance"])
+        print(f"{r['suite']:10} {r['temperature']:>4} {r['setting']:8} {fmt(r['tps'], '.1f'):>7} {rng:>18} "
+              f"{fmt(r['tpr'], '.2f'):>9} {fmt(r['bound'], '.2f'):>6} {fmt(r['efficiency'], '.2f'):>5} {same:>5}  {acc}")
+    c = record["cost_model"]
+    tv = " ".join(f"Tv({k})={v * 1e3:.1f}ms" for k, v in c["Tv"].items())
+    print(f"cost model: T1={c['T1'] * 1e3:.1f}ms {tv} Td={c['Td'] * 1e3:.2f}ms")
+    plain = [r["plain"]["decode_tps"]["median"] for r in record["results"]]
+    print(f"plain mlx-lm decode: {sorted(plain)[len(plain) // 2]:.1f} tok/s (median over prompts)")
+
+
+def _plot(record, path: str) -> None:
+    try:
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+    except ImportError:
+        raise DynoError("--plot needs plotly: pip install plotly kaleido") from None
+    rows = [r for r in _aggregate(record) if r["setting"].startswith("mtp@")]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("speedup vs plain mlx-lm", "tokens per round"))
+    for (suite, temp) in sorted({(r["suite"], r["temperature"]) for r in rows}):
+        sel = [r for r in rows if (r["suite"], r["temperature"]) == (suite, temp)]
+        ks = [int(r["setting"].split("@")[1]) for r in sel]
+        fig.add_trace(go.Scatter(x=ks, y=[r["ratio"] for r in sel], name=f"{suite} T={temp}", mode="lines+markers"), 1, 1)
+        fig.add_trace(go.Scatter(x=ks, y=[r["tpr"] for r in sel], name=f"{suite} T={temp}", mode="lines+markers",
+                                 showlegend=False), 1, 2)
+    fig.update_xaxes(title_text="draft depth", dtick=1)
+    fig.update_layout(title=f"Dyno on {Path(record['model']).name} ({record['machine']['backend']})", width=1000, height=420)
+    base = path[:-5] if path.endswith((".html", ".png")) else path
+    fig.write_html(base + ".html", include_plotlyjs=True)
+    try:
+        fig.write_image(base + ".png")
+        print(f"wrote {base}.html and {base}.png", file=sys.stderr)
+    except Exception as e:  # kaleido missing or unable to start: the HTML still stands
+        print(f"wrote {base}.html (no PNG: {str(e).splitlines()[0] if str(e) else type(e).__name__})", file=sys.stderr)
