@@ -1,0 +1,59 @@
+"""The benchmark's own logic: ratios, bounds, the cost model and the JSON record."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from speculative.bench import paired_benchmark, speedup_bound, summarize
+from speculative.config import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_speedup_bound_and_summary():
+    # E = 3 tokens per round, verify costs 1.5 T1, two head steps of 0.05 T1: 3 / 1.6
+    assert speedup_bound(3.0, t1=0.02, tv=0.03, td=0.001, k=2) == pytest.approx(1.875)
+    assert summarize([1.0, 3.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+
+
+def test_paired_benchmark_ratios_are_per_pair(tiny_lm):
+    lm = tiny_lm()
+    prompt = lm.tokenizer.encode("def f(x):\n")
+    res = paired_benchmark(lm, prompt, SamplingParams(max_tokens=30), depths=[2], pairs=3)
+    mtp = res["settings"]["mtp@2"]
+    assert len(mtp["ratios"]) == len(mtp["tps"]) == 3
+    assert mtp["identical"] is True  # greedy pairs double as a correctness check
+    assert mtp["ratio"]["min"] <= mtp["ratio"]["median"] <= mtp["ratio"]["max"]
+    assert mtp["drafted"] == 2 * round(mtp["drafted"] / 2) and mtp["accepted"] <= mtp["drafted"]
+    assert mtp["tokens_per_round"] >= 1.0
+    assert res["settings"]["off"]["identical"] is True
+
+
+def test_bench_json_record(tiny_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "dyno_ui", "bench", "--model", str(tiny_dir()), "--suite", "edit",
+                        "--depths", "1,2", "--pairs", "1", "--max-tokens", "20", "--json", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    record = json.loads(out.read_text())
+    assert set(record) >= {"machine", "model", "commit", "settings", "results", "cost_model"}
+    assert set(record["machine"]) >= {"platform", "mlx", "mlx_lm", "backend"}
+    assert set(record["cost_model"]["Tv"]) == {"1", "2"} and record["cost_model"]["T1"] > 0
+    (res,) = record["results"]
+    for name in ("off", "mtp@1", "mtp@2"):
+        assert res["settings"][name]["identical"] is True
+    s = res["settings"]["mtp@2"]
+    expected = s["tokens_per_round"] / (record["cost_model"]["Tv"]["2"] / record["cost_model"]["T1"]
+                                        + 2 * record["cost_model"]["Td"] / record["cost_model"]["T1"])
+    assert s["bound"] == pytest.approx(expected)
+    assert s["efficiency"] == pytest.approx(s["ratio"]["median"] / s["bound"])
+    assert "mtp@2" in r.stdout and "cost model: T1=" in r.stdout
+
+
+def test_bench_bad_depths():
+    r = subprocess.run([sys.executable, "-m", "dyno_ui", "bench", "--depths", "a,b"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stderr == "dyno: error: --depths must be comma-separated integers, got 'a,b'\n"
