@@ -27,6 +27,37 @@ def add_commands(sub) -> None:
     b.add_argument("--json", metavar="FILE", help="write the JSON record here")
     b.add_argument("--plot", metavar="FILE", help="write a Plotly chart (FILE.html, and FILE.png if kaleido works)")
     b.set_defaults(func=cmd_bench)
+    t = sub.add_parser("tune", help="measure the best draft depth for a model on this machine and store it",
+                       description="A short paired benchmark; `--draft-depth auto` (the default) then uses its result.")
+    t.add_argument("--model", help="model folder (default: the bundled dyno-tiny)")
+    t.add_argument("--max-tokens", type=int, default=120)
+    t.add_argument("--pairs", type=int, default=3)
+    t.set_defaults(func=cmd_tune)
+
+
+def cmd_tune(args) -> int:
+    import statistics
+
+    from speculative.bench import paired_benchmark
+    from speculative.config import SamplingParams
+    from speculative.loader import load_model
+    from speculative.tuning import store, tune_file
+
+    lm = load_model(args.model or default_model(), mode="mtp")
+    depths = [1, 2, 3, 4]
+    ratios = {k: [] for k in depths}
+    for item in SUITES["code"][:2]:
+        res = paired_benchmark(lm, _encode(lm, item), SamplingParams(max_tokens=args.max_tokens), depths,
+                               pairs=args.pairs, with_off=False)
+        for k in depths:
+            ratios[k].append(res["settings"][f"mtp@{k}"]["ratio"]["median"])
+    speedup = {k: statistics.median(v) for k, v in ratios.items()}
+    best = max(speedup, key=speedup.get)
+    store(lm, best, {"source": "measured", "speedup": speedup})
+    for k in depths:
+        print(f"depth {k}: {speedup[k]:.2f}x vs plain mlx-lm" + ("  <- best" if k == best else ""))
+    print(f"stored depth {best} for {lm.path} in {tune_file()}")
+    return 0
 
 
 def _git_commit() -> str:

@@ -15,11 +15,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder (default: the bundled dyno-tiny, or $DYNO_MODEL)")
     p.add_argument("--speculative", choices=MODES, default="auto",
                    help="auto: draft when the model has an MTP head (default); mtp: require one; off: plain decoding")
-    p.add_argument("--draft-depth", type=int, default=None, metavar="K",
-                   help=f"tokens drafted per round, 1..{MAX_DRAFT_DEPTH} (default: %(default)s -> {SpecConfig().draft_depth})")
+    p.add_argument("--draft-depth", type=_depth, default="auto", metavar="K",
+                   help=f"tokens drafted per round, 1..{MAX_DRAFT_DEPTH}, or auto: the depth `dyno tune` "
+                        f"stored for this model and machine, else a cost-model estimate (default: auto)")
     p.add_argument("--mtp-head", metavar="DIR", help="a standalone MTP head folder to use")
     p.add_argument("--mtp-base", metavar="REPO",
                    help="the original repository to take the head from (default: from the model card)")
+
+
+def _depth(value: str):
+    """argparse type for --draft-depth: "auto" or an integer (range checked by SpecConfig)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {value!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,14 +92,19 @@ def cmd_generate(args) -> int:
     from speculative.loader import load_model
     from speculative.stats import GenerationStats
 
-    spec = SpecConfig(args.speculative, args.draft_depth or SpecConfig().draft_depth)
+    if args.draft_depth != "auto":
+        SpecConfig(args.speculative, args.draft_depth)  # validate before loading anything
     if args.max_tokens < 1:
         raise DynoError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if not args.prompt:
         raise DynoError("the prompt is empty")
-    lm = load_model(args.model or default_model(), mode=spec.mode, mtp_head=args.mtp_head,
+    sampling_from(args, {})  # reject bad sampling flags before loading anything
+    lm = load_model(args.model or default_model(), mode=args.speculative, mtp_head=args.mtp_head,
                     mtp_base=args.mtp_base, notify=_notify)
     params = sampling_from(args, lm.generation_config)
+    from speculative.tuning import resolve_depth
+
+    spec = SpecConfig(args.speculative, resolve_depth(lm, args.draft_depth))
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
         prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random checkpoints built once per session, and reference decoding."""
 
 import os
+import tempfile
 
 import mlx.core as mx
 import pytest
@@ -10,6 +11,7 @@ import tiny_models
 from speculative.loader import load_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+os.environ["DYNO_CACHE"] = tempfile.mkdtemp(prefix="dyno-test-cache-")  # never the user's cache
 
 # Configs that vary what the engine must get right: tying, GQA ratio, GDN head ratio, wrapper.
 # Seeds are ones whose greedy text runs 200 tokens without hitting EOS.

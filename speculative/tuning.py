@@ -1,0 +1,87 @@
+"""The draft depth for this model on this machine: measured by `dyno tune`, else estimated.
+
+Deeper drafts pay only while the acceptance at that position beats its verify cost, and that
+cost depends on the machine (on the CPU backend Tv(k) grows much faster with k than on Metal),
+so the best depth is stored per model and machine.
+"""
+
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from .config import MAX_DRAFT_DEPTH
+from .heads import cache_root
+from .loader import LoadedModel
+
+# Acceptance at draft position i when nothing is measured yet: a prior, position 1 about 0.8
+# and each further position about 0.75 of the previous (real heads: 0.93/0.86/0.75 at depth 3
+# on Qwen3.8-27B, 0.87/0.72/0.63 on stock MLX per MTPLX's reports).
+PRIOR_FIRST, PRIOR_DECAY = 0.8, 0.75
+
+
+def tune_file() -> Path:
+    return cache_root() / "tune.json"
+
+
+def machine_key(lm: LoadedModel) -> str:
+    """Model folder + backend + CPU architecture: what makes a stored depth valid."""
+    return f"{lm.path.resolve()}|{mx.default_device()}|{platform.machine()}"
+
+
+def stored(lm: LoadedModel) -> Optional[dict]:
+    try:
+        return json.loads(tune_file().read_text()).get(machine_key(lm))
+    except (OSError, ValueError):
+        return None
+
+
+def store(lm: LoadedModel, depth: int, details: dict) -> None:
+    """Record the best depth atomically (write a temp file, then rename)."""
+    path = tune_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    table[machine_key(lm)] = {"depth": depth, **details}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(table, f, indent=1)
+    os.replace(tmp, path)
+
+
+def expected_tokens_per_round(acceptance: Sequence[float], k: int) -> float:
+    """E(k) = 1 + sum of the probabilities that positions 1..k are accepted."""
+    return 1.0 + sum(acceptance[:k])
+
+
+def best_by_cost(costs: dict, acceptance: Sequence[float]) -> int:
+    """The depth maximising E(k) / (Tv(k)/T1 + k*Td/T1)."""
+    t1, td = costs["T1"], costs["Td"]
+    score = {k: expected_tokens_per_round(acceptance, k) / (tv / t1 + k * td / t1) for k, tv in costs["Tv"].items()}
+    return max(score, key=score.get)
+
+
+def resolve_depth(lm: LoadedModel, requested) -> int:
+    """An explicit depth as given; "auto": the stored one, else a cost-model estimate (stored too)."""
+    if requested != "auto":
+        return int(requested)
+    if lm.head is None:
+        return 1
+    found = stored(lm)
+    if found:
+        return int(found["depth"])
+    from .bench import cost_model
+
+    depths = list(range(1, 5))
+    prompt = lm.tokenizer.encode("def main():\n    return 0\n") or [0]
+    costs = cost_model(lm, prompt, depths, reps=5)
+    prior = [PRIOR_FIRST * PRIOR_DECAY**i for i in range(MAX_DRAFT_DEPTH)]
+    depth = best_by_cost(costs, prior)
+    store(lm, depth, {"source": "estimate", "cost_model": costs})
+    return depth
