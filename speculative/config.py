@@ -2,13 +2,14 @@
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional, Tuple, Union
 
 from .errors import DynoError
 
 MODES = ("auto", "mtp", "off")
 MAX_DRAFT_DEPTH = 8
 DEFAULT_DRAFT_DEPTH = 3
+PENALTY_CONTEXT = 20  # mlx-lm's default window for repetition/presence/frequency penalties
 
 
 @dataclass(frozen=True)
@@ -21,10 +22,40 @@ class SamplingParams:
     min_p: float = 0.0
     max_tokens: int = 256
     seed: Optional[int] = None
+    # Logits processors (mlx-lm's make_logits_processors): they depend only on the token prefix,
+    # so the engine applies them to draft and target rows alike and drafting stays exact.
+    logit_bias: Optional[Union[Mapping[int, float], Tuple[Tuple[int, float], ...]]] = None
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: int = PENALTY_CONTEXT
+    presence_penalty: float = 0.0
+    presence_context_size: int = PENALTY_CONTEXT
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = PENALTY_CONTEXT
 
     def __post_init__(self):
         def bad(what):
             raise DynoError(f"invalid sampling value: {what}")
+
+        if self.logit_bias is not None:  # stored as sorted pairs so the dataclass stays hashable
+            pairs = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+            object.__setattr__(self, "logit_bias", tuple(sorted(pairs)) or None)
+            for token, bias in self.logit_bias or ():
+                if not isinstance(token, int) or token < 0:
+                    bad(f"logit_bias keys must be token ids >= 0, got {token!r}")
+                if not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                    bad(f"logit_bias values must be finite numbers, got {bias!r}")
+        if self.repetition_penalty is not None and not (
+            isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty < math.inf
+        ):
+            bad(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(f"{name} must be a finite number, got {value!r}")
+        for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                bad(f"{name} must be an integer >= 1, got {value!r}")
 
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
             bad(f"temperature must be a finite number, got {self.temperature!r}")
@@ -44,6 +75,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_processors(self) -> bool:
+        """True when logit bias or a penalty changes the logits before the warp."""
+        return bool(self.logit_bias) or (self.repetition_penalty not in (None, 1.0)) or bool(
+            self.presence_penalty) or bool(self.frequency_penalty)
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,26 @@
 """Generation: plain decoding through mlx-lm, or MTP draft -> verify -> accept -> rollback.
 
 Both paths are generators of events (Token, Round, Done); text, streaming and statistics are
-layers above. The speculative round is `_round`; prefill and stopping live outside it.
+layers above. The speculative round is `_round`; prefill, stopping, logits processors and prefix
+reuse live outside it.
 """
 
 import random
 import time
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Generator, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from .cache import rollback
 from .config import SamplingParams, SpecConfig
+from .errors import DynoError
 from .events import Done, Provenance, Round, Token
 from .loader import LoadedModel
+from .prefix_cache import PrefixCache, PrefixEntry
+from .processors import PrefixProcessors, processors_for, with_prefix
 from .sampling import draw, log_softmax, warp
 from .verify import greedy_accept, lossless_accept
 
@@ -29,21 +34,34 @@ def generate(
     params: SamplingParams,
     spec: SpecConfig = SpecConfig(),
     prefill_step: int = PREFILL_STEP,
+    prefix_cache: Optional[PrefixCache] = None,
 ) -> Iterator[Event]:
-    """Generate from `prompt` token ids; drafts with the MTP head unless off or headless."""
+    """Generate from `prompt` token ids; drafts with the MTP head unless off or headless.
+
+    With a `prefix_cache`, the longest cached prefix of the prompt is not prefilled again, and the
+    state after this generation is kept for a later prompt that extends it (the next chat turn).
+    A generation closed before its Done event keeps nothing: its caches are simply dropped.
+    """
     if len(prompt) == 0:
-        from .errors import DynoError
-
         raise DynoError("the prompt is empty")
-    if spec.mode != "off" and lm.head is not None:
-        steps = Speculator(lm, params, spec.draft_depth, prefill_step).run(list(prompt))
+    prompt = list(prompt)
+    drafting = spec.mode != "off" and lm.head is not None
+    if drafting:
+        runner = Speculator(lm, params, spec.draft_depth, prefill_step)
     else:
-        steps = _plain(lm, prompt, params, prefill_step)
-    yield from _until_stop(steps, lm.eos_token_ids, params.max_tokens, len(prompt))
+        runner = PlainRun(lm, params, prefill_step)
+    resume = prefix_cache.take(prompt, with_head=drafting) if prefix_cache is not None else None
+    done = yield from _until_stop(
+        runner.run(prompt, resume), lm.eos_token_ids, params.max_tokens, len(prompt),
+        len(resume) if resume else 0,
+    )
+    if prefix_cache is not None:
+        prefix_cache.put(runner.snapshot(done.generated_tokens))
+    yield done
 
 
-def _until_stop(steps, eos: set, max_tokens: int, n_prompt: int) -> Iterator[Event]:
-    """Cut the token stream at EOS or max_tokens and add timing; the stream is a fold of this."""
+def _until_stop(steps, eos: set, max_tokens: int, n_prompt: int, reused: int) -> Generator[Event, None, Done]:
+    """Cut the token stream at EOS or max_tokens and time it; returns the Done event."""
     start = time.perf_counter()
     first_at = last_at = None
     n = 0
@@ -65,18 +83,37 @@ def _until_stop(steps, eos: set, max_tokens: int, n_prompt: int) -> Iterator[Eve
     prefill = (first_at or start) - start
     decode = (last_at or start) - (first_at or start)
     steps.close()
-    yield Done(reason, n_prompt, n, prefill, decode)
+    return Done(reason, n_prompt, n, prefill, decode, reused)
 
 
-def _plain(lm: LoadedModel, prompt, params: SamplingParams, prefill_step: int):
+class PlainRun:
     """Plain decoding is mlx-lm's own generate_step: same output, same speed."""
-    if params.seed is not None:
-        mx.random.seed(params.seed)
-    sampler = make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)
-    for token, _ in generate_step(
-        mx.array(prompt), lm.model, max_tokens=-1, sampler=sampler, prefill_step_size=prefill_step
-    ):
-        yield Token(int(token), Provenance.PLAIN)
+
+    def __init__(self, lm: LoadedModel, params: SamplingParams, prefill_step: int):
+        self.model, self.params, self.prefill_step = lm.model, params, prefill_step
+        self.cache: List = []
+        self.fed: List[int] = []  # every token the cache holds
+
+    def run(self, prompt: List[int], resume: Optional[PrefixEntry] = None) -> Iterator[Token]:
+        """Tokens from generate_step, continuing from `resume`'s trunk cache when given."""
+        p = self.params
+        if p.seed is not None:
+            mx.random.seed(p.seed)
+        sampler = make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
+        start = len(resume) if resume else 0
+        self.cache = resume.trunk_cache if resume else make_prompt_cache(self.model)
+        self.fed = list(prompt)
+        for token, _ in generate_step(
+            mx.array(prompt[start:]), self.model, max_tokens=-1, sampler=sampler,
+            logits_processors=with_prefix(processors_for(p), prompt[:start]),
+            prompt_cache=self.cache, prefill_step_size=self.prefill_step,
+        ):
+            self.fed.append(int(token))
+            yield Token(int(token), Provenance.PLAIN)
+
+    def snapshot(self, emitted: int) -> PrefixEntry:
+        """The cache for reuse; generate_step feeds each token before yielding it, so it holds all."""
+        return PrefixEntry(tuple(self.fed), self.cache)
 
 
 class Speculator:
@@ -87,9 +124,12 @@ class Speculator:
         self.params, self.depth, self.prefill_step = params, depth, prefill_step
         self.trunk_cache = self.target.make_cache()
         self.head_cache = self.head.make_cache()
+        self.processors = PrefixProcessors(params)
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         self.key = mx.random.key(seed)
+        self.prompt: List[int] = []
         self.generated: List[int] = []  # tokens emitted so far (the last one is still uncached)
+        self.last_pass = None  # (tapes, hidden, committed) of the latest trunk pass, for snapshot()
 
     def _split(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -106,19 +146,38 @@ class Speculator:
         logprobs = warp(logits, self.params)
         return draw(logprobs, self._split()), mx.exp(logprobs)
 
-    def prefill(self, prompt: List[int]):
-        """Trunk over the prompt in mlx-lm's chunks, the head one row behind; returns t_n."""
+    def _history(self) -> mx.array:
+        """What the logits processors see of the committed tokens (prompt, then generated)."""
+        return self.processors.tail(self.prompt, self.generated)
+
+    def _process(self, rows: mx.array, drafts: Optional[mx.array] = None) -> mx.array:
+        """Logits processors on [T, V] rows, row i following the committed tokens and drafts[:i]."""
+        if not self.processors:
+            return rows
+        return self.processors.rows(rows, self._history(), drafts)
+
+    def prefill(self, prompt: List[int], resume: Optional[PrefixEntry] = None):
+        """Trunk over the prompt in mlx-lm's chunks, the head one row behind; returns t_n.
+
+        `resume` holds caches that already consumed the prompt's first len(resume) tokens.
+        """
         tokens = mx.array(prompt)
         n = len(prompt)
-        for s in range(0, n - 1, self.prefill_step):
+        start = 0
+        if resume is not None:
+            start = len(resume)
+            self.trunk_cache, self.head_cache = resume.trunk_cache, resume.head_cache
+            self._head(tokens[start : start + 1], resume.last_hidden)  # the row it left open
+        for s in range(start, n - 1, self.prefill_step):
             e = min(s + self.prefill_step, n - 1)
             hidden = self.target.hidden(tokens[None, s:e], self.trunk_cache)
             self._head(tokens[s + 1 : e + 1], hidden)  # row p = (t_{p+1}, h_p)
             mx.eval([c.state for c in self.trunk_cache + self.head_cache])
         hidden = self.target.hidden(tokens[None, n - 1 :], self.trunk_cache)
-        first, _ = self._pick_target(self.target.lm_head(hidden[:, -1]))
+        first, _ = self._pick_target(self._process(self.target.lm_head(hidden[:, -1])))
         self.head_hidden = self._head(first, hidden)[:, -1:]  # row n-1 drafts position n+1
         self.pending = first
+        self.last_pass = ([], hidden[:, -1:], 1)
         return first
 
     def _pick_target(self, logits: mx.array):
@@ -130,8 +189,12 @@ class Speculator:
         """k head drafts by recursion: ([k] tokens, [k, V] draft probs or None when greedy)."""
         drafts, draft_probs = [], []
         g = self.head_hidden  # head post-norm output of the last committed row
+        history = self._history() if self.processors else None
         for j in range(k):
-            d, q = self._pick(self.target.lm_head(g[:, -1]))
+            logits = self.target.lm_head(g[:, -1])
+            if history is not None:  # draft j follows the committed tokens and drafts 0..j-1
+                logits = self.processors.row(logits, history, mx.concatenate(drafts) if drafts else None)
+            d, q = self._pick(logits)
             drafts.append(d)
             draft_probs.append(q)
             if j + 1 < k:  # recurse: the draft token with the head's own output, position + 1
@@ -150,10 +213,11 @@ class Speculator:
         logits, hidden, tapes = self.target.verify(
             mx.concatenate([self.pending, drafts])[None], self.trunk_cache
         )
+        logits = self._process(logits[0], drafts)  # the same processors the drafts saw, per row
         if self.params.greedy:
-            n_acc, nxt = greedy_accept(drafts, log_softmax(logits[0]))
+            n_acc, nxt = greedy_accept(drafts, log_softmax(logits))
         else:
-            target_probs = mx.exp(warp(logits[0], self.params))
+            target_probs = mx.exp(warp(logits, self.params))
             n_acc, nxt = lossless_accept(drafts, draft_probs, target_probs, self._split())
         mx.eval(n_acc, nxt, drafts)
         a = n_acc.item()
@@ -164,13 +228,15 @@ class Speculator:
         committed = mx.concatenate([drafts[:a], nxt])
         self.head_hidden = self._head(committed, hidden[:, : a + 1])[:, -1:]
         self.pending = nxt
+        self.last_pass = (tapes, hidden, a + 1)
         accepted = drafts[:a].tolist()
         self.generated += accepted + [nxt.item()]
         return accepted, self.generated[-1]
 
-    def run(self, prompt: List[int]) -> Iterator[Union[Token, Round]]:
-        """Prefill, then rounds until the consumer stops iterating."""
-        self.generated = [self.prefill(prompt).item()]
+    def run(self, prompt: List[int], resume: Optional[PrefixEntry] = None) -> Iterator[Union[Token, Round]]:
+        """Prefill (after `resume`'s prefix, if any), then rounds until the consumer stops iterating."""
+        self.prompt = list(prompt)
+        self.generated = [self.prefill(self.prompt, resume).item()]
         yield Token(self.generated[0], Provenance.PLAIN)
         while True:
             accepted, nxt = self._round()
@@ -178,3 +244,19 @@ class Speculator:
             for t in accepted:
                 yield Token(t, Provenance.DRAFT)
             yield Token(nxt, Provenance.BONUS if len(accepted) == self.depth else Provenance.CORRECTION)
+
+    def snapshot(self, emitted: int) -> PrefixEntry:
+        """The caches settled to the prompt and the first `emitted` tokens minus the last.
+
+        The consumer may stop inside a round (EOS or max_tokens before its last token), leaving
+        the trunk with committed tokens nobody received. The last emitted token stays out, as the
+        pending token always does.
+        """
+        tapes, hidden, committed = self.last_pass
+        keep = committed - (len(self.generated) - emitted)  # of the last pass's tokens
+        # The caches hold `committed` tokens of that pass; the tapes restore any prefix of it.
+        rollback(self.trunk_cache, tapes, fed=committed, consumed=keep)
+        tokens = tuple(self.prompt + self.generated[: emitted - 1])
+        for c in self.head_cache:  # one row short: that row pairs the last position with the next token
+            c.trim(c.offset - (len(tokens) - 1))
+        return PrefixEntry(tokens, self.trunk_cache, self.head_cache, hidden[:, keep - 1 : keep])

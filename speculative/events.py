@@ -47,3 +47,4 @@ class Done:
     generated_tokens: int
     prefill_s: float
     decode_s: float
+    reused_prompt_tokens: int = 0  # prompt tokens taken from a cached prefix instead of prefilled

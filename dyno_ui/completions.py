@@ -1,0 +1,207 @@
+"""From OpenAI requests to engine jobs, and from job outputs to OpenAI responses and SSE chunks.
+
+The non-streaming response is a fold of the same outputs the stream sends, so the two carry the
+same text.
+"""
+
+import asyncio
+from dataclasses import dataclass
+from typing import AsyncIterator, List, Sequence, Union
+
+from pydantic import BaseModel
+
+from speculative.errors import DynoError
+from speculative.loader import LoadedModel
+
+from . import openai_schema as api
+from .textstream import TextAssembler, initial_channel
+from .worker import EngineWorker, Failed, Finished, Job, TextDelta
+
+Output = Union[TextDelta, Finished, Failed]
+
+
+def context_length(lm: LoadedModel) -> int:
+    """The longest sequence the model takes (max_position_embeddings)."""
+    text = lm.config.get("text_config", lm.config)
+    return int(text.get("max_position_embeddings") or lm.config.get("max_position_embeddings") or 2**31)
+
+
+def vocab_size(lm: LoadedModel) -> int:
+    text = lm.config.get("text_config", lm.config)
+    return int(text.get("vocab_size") or len(lm.tokenizer))
+
+
+@dataclass
+class ServedModel:
+    """The one model a server serves: its name, its limits, and the worker that runs it."""
+
+    id: str
+    lm: LoadedModel
+    worker: EngineWorker
+    default_max_tokens: int
+    created: int
+
+    def check_model(self, requested) -> None:
+        if requested is not None and requested != self.id:
+            raise api.ApiError(404, f"The model '{requested}' does not exist; this server serves "
+                                    f"'{self.id}'", param="model", code="model_not_found")
+
+    def chat_job(self, req: api.ChatCompletionRequest, sink) -> Job:
+        """A job for a chat request: the tokenizer's chat template, reasoning split on."""
+        self.check_model(req.model)
+        tok = self.lm.tokenizer
+        messages = [m.for_template() for m in req.messages]
+        try:
+            prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             **(req.chat_template_kwargs or {}))
+        except Exception as e:  # jinja errors, bad kwargs: the request's fault
+            raise api.ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        params = self._sampling(req, prompt, "messages")
+        text = TextAssembler(tok, req.stop_strings(), split_reasoning=True,
+                             initial=initial_channel(tok, prompt))
+        return Job(list(prompt), params, text, sink)
+
+    def completion_job(self, req: api.CompletionRequest, sink) -> Job:
+        """A job for a raw-text (or token id) completion: no template, no reasoning split."""
+        self.check_model(req.model)
+        prompt = req.prompt_text_or_ids()
+        if isinstance(prompt, str):
+            prompt = self.lm.tokenizer.encode(prompt)
+        elif any(not 0 <= t < vocab_size(self.lm) for t in prompt):
+            raise api.ApiError(400, "prompt: token ids must be in the vocabulary", param="prompt")
+        params = self._sampling(req, prompt, "prompt")
+        return Job(list(prompt), params, TextAssembler(self.lm.tokenizer, req.stop_strings()), sink)
+
+    def _sampling(self, req: api.SamplingFields, prompt: Sequence[int], field: str):
+        n, limit = len(prompt), context_length(self.lm)
+        if n == 0:
+            raise api.ApiError(400, f"{field}: the prompt is empty", param=field)
+        if n >= limit:
+            raise api.ApiError(400, f"This model's maximum context length is {limit} tokens, but the "
+                                    f"prompt has {n} tokens", param=field, code="context_length_exceeded")
+        try:
+            return req.sampling(self.lm.generation_config, self.default_max_tokens, limit - n,
+                                vocab_size(self.lm))
+        except DynoError as e:
+            raise api.ApiError(400, e.message) from None
+
+
+class JobStream:
+    """A submitted job's outputs as an async iterator; leaving early (client gone) cancels the job."""
+
+    def __init__(self, worker: EngineWorker):
+        self.worker = worker
+        self.loop = asyncio.get_running_loop()
+        self.queue: "asyncio.Queue[Output]" = asyncio.Queue()
+
+    def sink(self, item: Output) -> None:
+        """Called on the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+    def submit(self, job: Job) -> "JobStream":
+        if not self.worker.alive():
+            raise api.ApiError(503, "the engine thread has stopped", kind="server_error")
+        self.job = self.worker.submit(job)
+        return self
+
+    async def __aiter__(self) -> AsyncIterator[Output]:
+        finished = False
+        try:
+            while not finished:
+                item = await self.queue.get()
+                finished = isinstance(item, (Finished, Failed))
+                yield item
+        finally:
+            if not finished:
+                self.job.cancel()
+
+
+def sse(payload: Union[BaseModel, str]) -> str:
+    """One server-sent event."""
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+def _usage(done: Finished) -> api.Usage:
+    return api.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+
+
+def _failure(item: Failed) -> api.ApiError:
+    return api.ApiError(500, item.message, kind="server_error")
+
+
+async def chat_response(stream: JobStream, model: str) -> api.ChatCompletion:
+    """The whole chat completion, folded from the job's outputs."""
+    parts = {"content": [], "reasoning": []}
+    async for item in stream:
+        if isinstance(item, TextDelta):
+            parts[item.channel].append(item.text)
+        elif isinstance(item, Failed):
+            raise _failure(item)
+        else:
+            done = item
+    reasoning = "".join(parts["reasoning"])
+    message = api.ChatMessageOut(content="".join(parts["content"]), reasoning_content=reasoning or None)
+    return api.ChatCompletion(id=api.new_id("chatcmpl"), created=api.now(), model=model,
+                              choices=[api.ChatChoice(message=message, finish_reason=done.finish_reason)],
+                              usage=_usage(done))
+
+
+async def chat_events(stream: JobStream, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks: the role, content and reasoning deltas, the finish reason, usage, [DONE]."""
+    rid, created = api.new_id("chatcmpl"), api.now()
+
+    def chunk(delta: api.ChatDelta, finish=None, choices=True, usage=None) -> str:
+        choice = [api.ChatChunkChoice(delta=delta, finish_reason=finish)] if choices else []
+        return sse(api.ChatCompletionChunk(id=rid, created=created, model=model, choices=choice, usage=usage))
+
+    yield chunk(api.ChatDelta(role="assistant", content=""))
+    async for item in stream:
+        if isinstance(item, TextDelta):
+            field = "reasoning_content" if item.channel == "reasoning" else "content"
+            yield chunk(api.ChatDelta(**{field: item.text}))
+        elif isinstance(item, Failed):
+            yield sse(api.error_response(_failure(item)))
+        else:
+            yield chunk(api.ChatDelta(), finish=item.finish_reason)
+            if include_usage:
+                yield chunk(api.ChatDelta(), choices=False, usage=_usage(item))
+    yield sse("[DONE]")
+
+
+async def completion_response(stream: JobStream, model: str) -> api.Completion:
+    """The whole text completion, folded from the job's outputs."""
+    text: List[str] = []
+    async for item in stream:
+        if isinstance(item, TextDelta):
+            text.append(item.text)
+        elif isinstance(item, Failed):
+            raise _failure(item)
+        else:
+            done = item
+    choice = api.CompletionChoice(text="".join(text), finish_reason=done.finish_reason)
+    return api.Completion(id=api.new_id("cmpl"), created=api.now(), model=model, choices=[choice],
+                          usage=_usage(done))
+
+
+async def completion_events(stream: JobStream, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks of text, then the finish reason, usage and [DONE]."""
+    rid, created = api.new_id("cmpl"), api.now()
+
+    def chunk(text="", finish=None, choices=True, usage=None) -> str:
+        choice = [api.CompletionChoice(text=text, finish_reason=finish)] if choices else []
+        return sse(api.Completion(id=rid, created=created, model=model, choices=choice, usage=usage))
+
+    async for item in stream:
+        if isinstance(item, TextDelta):
+            yield chunk(item.text)
+        elif isinstance(item, Failed):
+            yield sse(api.error_response(_failure(item)))
+        else:
+            yield chunk(finish=item.finish_reason)
+            if include_usage:
+                yield chunk(choices=False, usage=_usage(item))
+    yield sse("[DONE]")

@@ -1,0 +1,117 @@
+"""Server counters: Prometheus text for /metrics (prometheus_client) and the JSON of /stats.
+
+Both are updated once per request from the request's GenerationStats fold, so they move by
+exactly what that request drafted, accepted and generated. Metric names follow vLLM's with the
+`mlx:` prefix.
+"""
+
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from speculative.stats import GenerationStats
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, float("inf"))
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, float("inf"))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one finished (or cancelled) request contributes to the counters."""
+
+    stats: GenerationStats
+    finish_reason: str  # "stop", "length" or "cancelled"
+    prompt_tokens: int
+    cached_tokens: int
+    latency_s: float
+    ttft_s: Optional[float]
+
+
+class ServerMetrics:
+    """A private registry (several servers can live in one process) plus JSON totals."""
+
+    def __init__(self, draft_depth: Optional[int]):
+        self.draft_depth = draft_depth  # None when the server does not draft
+        self.registry = r = CollectorRegistry()
+        self.draft_tokens = Counter("mlx:draft_tokens", "Tokens drafted by the MTP head", registry=r)
+        self.accepted_tokens = Counter("mlx:draft_tokens_accepted", "Drafted tokens the model accepted",
+                                       registry=r)
+        self.accepted_per_position = Counter(
+            "mlx:draft_tokens_accepted_per_position", "Accepted drafts by 1-based draft position",
+            ["position"], registry=r)
+        self.rounds = Counter("mlx:spec_decode_rounds", "Draft/verify rounds", registry=r)
+        self.prompt_tokens = Counter("mlx:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("mlx:prompt_tokens_cached", "Prompt tokens reused from a cached prefix",
+                                     registry=r)
+        self.generation_tokens = Counter("mlx:generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter("mlx:requests", "Requests by finish reason", ["finish_reason"], registry=r)
+        self.latency = Histogram("mlx:e2e_request_latency_seconds", "Arrival to last token",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("mlx:time_to_first_token_seconds", "Arrival to first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        for pos in range(1, (draft_depth or 0) + 1):
+            self.accepted_per_position.labels(position=str(pos))  # exported as 0 before any request
+        self._lock = threading.Lock()
+        self._totals = GenerationStats(draft_depth=draft_depth)
+        self._requests = {"stop": 0, "length": 0, "cancelled": 0, "failed": 0}
+        self._prompt = self._cached = self._generated = 0
+
+    def record(self, outcome: Outcome) -> None:
+        """Count one request (called on the engine thread)."""
+        s = outcome.stats
+        self.draft_tokens.inc(s.draft_tokens)
+        self.accepted_tokens.inc(s.accepted_tokens)
+        for pos, n in enumerate(s.accepted_per_position, start=1):
+            self.accepted_per_position.labels(position=str(pos)).inc(n)
+        self.rounds.inc(s.rounds)
+        self.prompt_tokens.inc(outcome.prompt_tokens)
+        self.cached_tokens.inc(outcome.cached_tokens)
+        self.generation_tokens.inc(len(s.tokens))
+        self.requests.labels(finish_reason=outcome.finish_reason).inc()
+        self.latency.observe(outcome.latency_s)
+        if outcome.ttft_s is not None:
+            self.ttft.observe(outcome.ttft_s)
+        with self._lock:
+            t = self._totals
+            t.rounds += s.rounds
+            t.draft_tokens += s.draft_tokens
+            t.accepted_tokens += s.accepted_tokens
+            per = t.accepted_per_position
+            per += [0] * (len(s.accepted_per_position) - len(per))
+            for i, n in enumerate(s.accepted_per_position):
+                per[i] += n
+            self._requests[outcome.finish_reason] = self._requests.get(outcome.finish_reason, 0) + 1
+            self._prompt += outcome.prompt_tokens
+            self._cached += outcome.cached_tokens
+            self._generated += len(s.tokens)
+
+    def record_failure(self) -> None:
+        """Count a request the engine could not complete."""
+        self.requests.labels(finish_reason="failed").inc()
+        with self._lock:
+            self._requests["failed"] += 1
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format."""
+        return generate_latest(self.registry)
+
+    def stats_json(self) -> dict:
+        """The /stats document."""
+        with self._lock:
+            t = self._totals
+            per = t.accepted_per_position + [0] * ((self.draft_depth or 0) - len(t.accepted_per_position))
+            return {
+                "speculative": {
+                    "mode": "mtp" if self.draft_depth else None,
+                    "draft_depth": self.draft_depth,
+                    "rounds": t.rounds,
+                    "draft_tokens": t.draft_tokens,
+                    "accepted_tokens": t.accepted_tokens,
+                    "accepted_per_position": per,
+                },
+                "requests": {"total": sum(self._requests.values()), **self._requests},
+                "tokens": {"prompt": self._prompt, "prompt_cached": self._cached,
+                           "generated": self._generated},
+            }

@@ -1,0 +1,118 @@
+"""`dyno serve`: load the model on the engine thread, listen, print the URL, serve until stopped."""
+
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+
+from speculative.config import SpecConfig
+from speculative.errors import DynoError
+
+from .models import default_model
+
+log = logging.getLogger("dyno.serve")
+DEFAULT_PORT = 8080
+DEFAULT_MAX_TOKENS = 512
+
+
+def add_command(sub) -> None:
+    """Register `dyno serve` on the CLI's subparsers."""
+    from .cli import _add_model_args
+
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       description="An OpenAI-compatible server; MTP drafting on when it is safe and exact.")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0 picks a free one)")
+    p.add_argument("--decode-concurrency", type=int, default=1, metavar="N",
+                   help="requests decoded together; above 1 they are batched without drafting (default: 1)")
+    p.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                   help="max_tokens for requests that do not set it (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def describe(worker) -> str:
+    """How requests are decoded, for the startup line."""
+    if worker.concurrency > 1:
+        return f"batched decoding of up to {worker.concurrency} requests, no drafting"
+    if worker.drafting:
+        return f"MTP drafting, depth {worker.spec.draft_depth}"
+    return "plain decoding, no drafting"
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound, listening socket (port 0 picks a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise DynoError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    return sock
+
+
+def _stop(*_):
+    raise KeyboardInterrupt
+
+
+def run(args) -> int:
+    """The serve command; returns the exit status."""
+    import uvicorn
+
+    from speculative.loader import load_model
+
+    from .completions import ServedModel
+    from .server import create_app
+    from .worker import EngineWorker
+
+    if args.decode_concurrency < 1:
+        raise DynoError(f"--decode-concurrency must be at least 1, got {args.decode_concurrency}")
+    if args.max_tokens_default < 1:
+        raise DynoError(f"--max-tokens-default must be at least 1, got {args.max_tokens_default}")
+    if args.draft_depth != "auto":
+        SpecConfig(args.speculative, args.draft_depth)  # validate before loading anything
+    batched = args.decode_concurrency > 1
+    if args.speculative == "mtp" and batched:
+        raise DynoError("--speculative mtp drafts one request at a time; with --decode-concurrency above 1 "
+                        "requests are batched without drafts (use --speculative auto or off)")
+    path = args.model or default_model()
+    mode = "off" if batched else args.speculative  # batched decoding never drafts: skip the head
+    notify = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+
+    def load():
+        from speculative.tuning import resolve_depth
+
+        lm = load_model(path, mode=mode, mtp_head=args.mtp_head, mtp_base=getattr(args, "mtp_base", None),
+                        notify=notify)
+        depth = resolve_depth(lm, args.draft_depth) if lm.head is not None else SpecConfig().draft_depth
+        return lm, SpecConfig(mode, depth)
+
+    worker = EngineWorker(load, decode_concurrency=args.decode_concurrency)
+    lm = worker.start()  # notices were printed while loading
+    served = ServedModel(id=lm.path.name, lm=lm, worker=worker,
+                         default_max_tokens=args.max_tokens_default, created=int(time.time()))
+    sock = listen(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"dyno: serving {served.id} at http://{shown}:{port}/v1 ({describe(worker)})", flush=True)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))  # the per-request line, exactly
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    config = uvicorn.Config(create_app(served), log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=10)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop)  # uvicorn re-raises it after shutting down
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C (or SIGTERM) it shut down on
+        pass
+    finally:
+        worker.close(timeout=5)
+    return 0

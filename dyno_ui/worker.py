@@ -1,0 +1,292 @@
+"""The engine thread: the one thread that owns the model and makes every MLX call.
+
+MLX streams belong to the thread that made them, and uvicorn and Gradio run handlers on pooled
+threads, so handlers never touch the model: they submit a Job and receive its outputs through the
+job's `sink`. Cancellation is a flag the worker reads between rounds.
+
+Serial mode (decode concurrency 1) runs one request at a time through the engine, drafting with
+the MTP head when there is one, and keeps prefix caches for multi-turn reuse. Batched mode hands
+concurrent requests to mlx-lm's BatchGenerator, which does not draft.
+"""
+
+import gc
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import make_sampler
+
+from speculative.config import SamplingParams, SpecConfig
+from speculative.engine import generate
+from speculative.events import Done, Provenance, Token
+from speculative.loader import LoadedModel
+from speculative.prefix_cache import PrefixCache
+from speculative.processors import processors_for
+from speculative.stats import GenerationStats
+
+from .metrics import Outcome, ServerMetrics
+from .textstream import TextAssembler
+
+log = logging.getLogger("dyno.serve")
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New text for one channel: "content" or "reasoning"."""
+
+    channel: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last output of a job that ran to its end (stop or length) or was cancelled."""
+
+    finish_reason: str  # "stop", "length" or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The last output of a job the engine could not complete."""
+
+    message: str
+
+
+@dataclass
+class Job:
+    """One request as the worker sees it: token ids in, outputs to `sink` (called on the worker thread)."""
+
+    prompt: List[int]
+    params: SamplingParams
+    text: TextAssembler
+    sink: Callable[[object], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = field(default_factory=time.perf_counter)
+    started_at: Optional[float] = None
+    first_token_at: Optional[float] = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def cancel(self) -> None:
+        """Ask the worker to stop this job at the next round (or drop it if it has not started)."""
+        self.cancelled.set()
+
+
+class EngineWorker:
+    """Owns the model on its own thread and serves submitted jobs."""
+
+    def __init__(self, load: Callable[[], Tuple[LoadedModel, SpecConfig]], decode_concurrency: int = 1,
+                 prefix_cache_entries: int = 4):
+        self.load = load  # runs on the engine thread: loading and depth tuning are MLX work too
+        self.spec = SpecConfig()
+        self.concurrency = decode_concurrency
+        self.prefix_cache = PrefixCache(prefix_cache_entries)
+        self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self.lm: Optional[LoadedModel] = None
+        self.metrics: Optional[ServerMetrics] = None  # made once the model says whether we draft
+        self._ready = threading.Event()
+        self._closing = threading.Event()  # stops the current generation at its next round
+        self._load_error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._main, name="dyno-engine", daemon=True)
+
+    @property
+    def drafting(self) -> bool:
+        """True when requests are decoded with MTP drafts (serial mode with a head, not off)."""
+        return (self.concurrency == 1 and self.spec.mode != "off"
+                and self.lm is not None and self.lm.head is not None)
+
+    def start(self) -> LoadedModel:
+        """Start the thread, load the model on it, and return it (load errors are raised here)."""
+        self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            self._thread.join()  # it is cleaning up MLX state; the process must not exit before
+            raise self._load_error
+        return self.lm
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, job: Job) -> Job:
+        """Queue `job`; its outputs arrive through job.sink."""
+        self.jobs.put(job)
+        return job
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop at the next round of the current generation and wait for the thread."""
+        self._closing.set()
+        self.jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- the engine thread ---------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            if self._load():
+                self._serve_serial() if self.concurrency == 1 else self._serve_batched()
+        finally:
+            self.prefix_cache.clear()
+            # MLX's rule for threads: free this thread's arrays and streams before it ends, or the
+            # process may abort at exit ("terminate called without an active exception").
+            mx.clear_streams()
+
+    def _load(self) -> bool:
+        """Load on this thread; a failure goes to start(), which raises it on the caller's thread."""
+        try:
+            self.lm, self.spec = self.load()
+            self.eos = self.lm.eos_token_ids
+            self.metrics = ServerMetrics(self.spec.draft_depth if self.drafting else None)
+            return True
+        except BaseException as e:
+            # Without its traceback: its frames hold what the failed load built, to be freed here.
+            e.__traceback__ = e.__context__ = e.__cause__ = None
+            self._load_error = e
+            del e
+            gc.collect()
+            return False
+        finally:
+            self._ready.set()
+
+    def _serve_serial(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            if job.cancelled.is_set():
+                self._finish(job, "cancelled")
+                continue
+            try:
+                self._run(job)
+            except Exception as e:  # the server keeps serving; the client gets one line
+                log.exception("generation failed")
+                self.prefix_cache.clear()  # its entries may be half-updated
+                self._fail(job, e)
+
+    def _run(self, job: Job) -> None:
+        """One request through the engine; stops between rounds when cancelled or a stop string hits."""
+        job.stats = GenerationStats(draft_depth=self.spec.draft_depth)
+        spec = self.spec if self.drafting else SpecConfig("off", self.spec.draft_depth)
+        events = generate(self.lm, job.prompt, job.params, spec, prefix_cache=self.prefix_cache)
+        reason = "cancelled"
+        try:
+            for event in events:
+                job.stats.add(event)
+                if isinstance(event, Token):
+                    self._on_token(job, event.id)
+                    if job.text.stopped:
+                        reason = "stop"
+                        break
+                elif isinstance(event, Done):
+                    reason = event.finish_reason
+                if job.cancelled.is_set() or self._closing.is_set():  # before the next round
+                    break
+        finally:
+            events.close()
+        self._finish(job, reason)
+
+    def _on_token(self, job: Job, token: int) -> None:
+        job.first_token_at = job.first_token_at or time.perf_counter()
+        if token not in self.eos:
+            self._emit(job, job.text.add(token))
+
+    def _emit(self, job: Job, pieces) -> None:
+        for channel, text in pieces:
+            job.sink(TextDelta(channel, text))
+
+    def _finish(self, job: Job, reason: str) -> None:
+        """Flush held-back text, log the request's line, count it, and tell the handler."""
+        if reason != "cancelled":
+            self._emit(job, job.text.finish())
+            if job.text.stopped:  # the stop string was in text held back until now (partial UTF-8)
+                reason = "stop"
+        done = job.stats.done
+        cached = done.reused_prompt_tokens if done else 0
+        n = len(job.stats.tokens)
+        log.info(job.stats.summary_line())
+        now = time.perf_counter()
+        self.metrics.record(Outcome(
+            stats=job.stats, finish_reason=reason, prompt_tokens=len(job.prompt), cached_tokens=cached,
+            latency_s=now - job.submitted_at,
+            ttft_s=None if job.first_token_at is None else job.first_token_at - job.submitted_at,
+        ))
+        job.sink(Finished(reason, len(job.prompt), n, cached))
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        self.metrics.record_failure()
+        job.sink(Failed(f"generation failed: {error}"))
+
+    # ---- batched mode ---------------------------------------------------------------------
+
+    def _serve_batched(self) -> None:
+        batch = self._new_batch()
+        active: Dict[int, Job] = {}
+        while True:
+            if not self._admit(batch, active, wait=not active) or self._closing.is_set():
+                break
+            for uid, job in list(active.items()):
+                if job.cancelled.is_set():
+                    batch.remove([uid])
+                    self._finish(active.pop(uid), "cancelled")
+            if not active:
+                continue
+            try:
+                responses = batch.next_generated()
+            except Exception as e:
+                log.exception("batched generation failed")
+                for job in active.values():
+                    self._fail(job, e)
+                active.clear()
+                batch = self._new_batch()
+                continue
+            for r in responses:
+                job = active.get(r.uid)
+                if job is None:
+                    continue
+                job.stats.add(Token(r.token, Provenance.PLAIN))
+                self._on_token(job, r.token)
+                reason = r.finish_reason or ("stop" if job.text.stopped else None)
+                if reason is not None:
+                    if r.finish_reason is None:
+                        batch.remove([r.uid])
+                    self._finish_batched(active.pop(r.uid), reason)
+
+    def _new_batch(self) -> BatchGenerator:
+        n = self.concurrency
+        return BatchGenerator(self.lm.model, stop_tokens=[[t] for t in self.eos],
+                              completion_batch_size=n, prefill_batch_size=n)
+
+    def _admit(self, batch: BatchGenerator, active: Dict[int, Job], wait: bool) -> bool:
+        """Move queued jobs into the batch (waiting for one when idle); False once closed."""
+        while True:
+            try:
+                job = self.jobs.get(block=wait)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            wait = False
+            if job.cancelled.is_set():
+                self._finish(job, "cancelled")
+                continue
+            p = job.params
+            if p.seed is not None:  # one RNG serves the whole batch: a seed orders it, no more
+                mx.random.seed(p.seed)
+            job.stats = GenerationStats()
+            job.started_at = time.perf_counter()
+            (uid,) = batch.insert(
+                [job.prompt], max_tokens=[p.max_tokens],
+                samplers=[make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)],
+                logits_processors=[processors_for(p)],
+            )
+            active[uid] = job
+
+    def _finish_batched(self, job: Job, reason: str) -> None:
+        now = time.perf_counter()
+        first = job.first_token_at or now
+        job.stats.add(Done(reason, len(job.prompt), len(job.stats.tokens), first - job.started_at, now - first))
+        self._finish(job, reason)

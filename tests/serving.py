@@ -1,0 +1,95 @@
+"""Running a real Dyno server in-process for tests: uvicorn on a free 127.0.0.1 port, in a thread."""
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import openai
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from dyno_ui.completions import ServedModel
+from dyno_ui.serve import listen
+from dyno_ui.server import create_app
+from dyno_ui.worker import EngineWorker
+from speculative.config import SpecConfig
+from speculative.loader import load_model
+
+MODEL_ID = "tiny"
+
+
+@dataclass
+class Running:
+    url: str  # http://127.0.0.1:PORT
+    served: ServedModel
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def get(self, path: str):
+        return httpx.get(self.url + path, timeout=30)
+
+    def post(self, path: str, **kw):
+        return httpx.post(self.url + path, timeout=120, **kw)
+
+    def stats(self) -> dict:
+        return self.get("/stats").json()
+
+    def metrics(self) -> dict:
+        """Every sample of /metrics as {name{labels}: value}, parsed by prometheus_client."""
+        text = self.get("/metrics").text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+
+@contextmanager
+def running_server(model_dir, spec: SpecConfig = SpecConfig(), decode_concurrency: int = 1, **app_kw):
+    """A started server for the checkpoint in `model_dir`; stopped (thread joined) on exit."""
+    mode = "off" if decode_concurrency > 1 else spec.mode
+    worker = EngineWorker(lambda: (load_model(model_dir, mode=mode), spec), decode_concurrency=decode_concurrency)
+    lm = worker.start()
+    served = ServedModel(id=MODEL_ID, lm=lm, worker=worker, default_max_tokens=64, created=0)
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(served, **app_kw), log_level="warning",
+                                           access_log=False, lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield Running(f"http://127.0.0.1:{sock.getsockname()[1]}", served)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        worker.close(15)
+        sock.close()
+        assert not thread.is_alive() and not worker.alive()
+
+
+def detokenize(lm, tokens) -> str:
+    """Text of token ids the way the server builds it: mlx-lm's streaming detokenizer, EOS left out."""
+    detok = lm.tokenizer.detokenizer
+    for t in tokens:
+        if t not in lm.eos_token_ids:
+            detok.add_token(t)
+    detok.finalize()
+    return detok.text
+
+
+def split_think(text, thinking=False):
+    """(content, reasoning) of a decoded answer, by plain string search: the reference for the server."""
+    content, reasoning = [], []
+    while text:
+        tag = "</think>" if thinking else "<think>"
+        part, found, text = text.partition(tag)
+        (reasoning if thinking else content).append(part)
+        thinking = thinking != bool(found)
+    return "".join(content), "".join(reasoning)
