@@ -14,7 +14,7 @@ from speculative.sampling import warp
 PARAMS = SamplingParams(temperature=1.0, top_k=3, max_tokens=3)
 # 4000 samples make a wrong rule visible: accepting with 2p/q scored ~150 and drawing the
 # correction from p instead of the residual ~82 against a critical value of ~76 (27 cells).
-SAMPLES = {"shadow": 4000, "mtp-head": 1000}
+SAMPLES = {"shadow": 4000, "mtp-head": 600}
 # A correct engine exceeds the critical value with probability 1e-6.
 FALSE_ALARM = 1e-6
 

@@ -17,8 +17,11 @@ def run(lm, prompt, depth, n=200, prefill_step=2048, speculator=None):
     return [e for e in events if isinstance(e, Token)], [e for e in events if isinstance(e, Round)]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("depth", [1, 2, 3, 4, 5])
+CASES = [(name, depth) for name in CONFIGS for depth in (1, 2, 3, 4, 5)
+         if not (name.startswith("moe") and depth == 5)]  # MoE: depths 1..4
+
+
+@pytest.mark.parametrize("name, depth", CASES)
 def test_greedy_equals_mlx_lm(tiny_lm, name, depth):
     lm = tiny_lm(name)
     prompt = lm.tokenizer.encode(PROMPT)
