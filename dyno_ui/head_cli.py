@@ -34,25 +34,35 @@ def _size(path: Path) -> int:
 
 
 def cmd_head_pull(args) -> int:
+    target, base = pull_head(args.model, args.mtp_base, _notify)
+    if base is None:
+        print(f"{target} carries its own MTP head; nothing to fetch")
+    else:
+        print(f"MTP head of {base}: {target} ({_size(target) / 1e6:.1f} MB)")
+    return 0
+
+
+def pull_head(model: str, mtp_base=None, notify=_notify):
+    """Fetch and cache the head for `model` (a folder or repo id): (head folder, base repo), or (folder, None)
+    when the checkpoint carries its own head."""
     from speculative import heads
 
-    hub = heads.Hub(_notify)
-    folder = Path(args.model).expanduser()
+    hub = heads.Hub(notify)
+    folder = Path(model).expanduser()
     if folder.is_dir():
         config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
         if heads.read_checkpoint_head(folder) is not None:
-            print(f"{folder} carries its own MTP head; nothing to fetch")
-            return 0
-        base = heads.find_base(folder, config, hub, args.mtp_base)
-    elif heads._REPO_ID.match(args.model):
-        base = args.mtp_base or (args.model if hub.ships_head(args.model) else None)
+            return folder, None
+        base = heads.find_base(folder, config, hub, mtp_base)
+    elif heads._REPO_ID.match(model):
+        base = mtp_base or (model if hub.ships_head(model) else None)
         if base is None:
-            card = hub.file(args.model, "README.md")
+            card = hub.file(model, "README.md")
             base = heads.find_base(card.parent, {}, hub) if card else None
     else:
-        raise DynoError(f"not a model folder or a repo id: {args.model}")
+        raise DynoError(f"not a model folder or a repo id: {model}")
     if base is None:
-        raise DynoError(f"no base model with an MTP head found for {args.model}; pass --mtp-base REPO")
+        raise DynoError(f"no base model with an MTP head found for {model}; pass --mtp-base REPO")
     target = heads.cached_head_path(base)
     if not target.exists():
         head = heads.extract_from_hf_cache(base, hub)
@@ -62,8 +72,7 @@ def cmd_head_pull(args) -> int:
             head = heads.download_head(base, hub)
         text_config = _base_text_config(hub, base)
         heads.write_head_folder(target, head, text_config, extra={"base_model": base})
-    print(f"MTP head of {base}: {target} ({_size(target) / 1e6:.1f} MB)")
-    return 0
+    return target, base
 
 
 def _base_text_config(hub, repo: str) -> dict:
@@ -121,9 +130,19 @@ def head_status(folder: Path, hub) -> str:
 
 
 def cmd_models(args) -> int:
+    rows = local_models([Path(f).expanduser() for f in args.folders])
+    if not rows:
+        print("no Qwen3.5-family models found")
+        return 0
+    _table(("MODEL", "TYPE", "MTP HEAD"), rows)
+    return 0
+
+
+def local_models(extra_folders=(), notify=_notify):
+    """(folder, model_type, head status) of the bundled model, `extra_folders` and the Hugging Face cache."""
     from speculative import heads
 
-    folders = [BUNDLED_MODEL] + [Path(f).expanduser() for f in args.folders]
+    folders = [BUNDLED_MODEL] + list(extra_folders)
     try:
         from huggingface_hub import scan_cache_dir
 
@@ -133,7 +152,7 @@ def cmd_models(args) -> int:
                     folders.append(Path(rev.snapshot_path))
     except Exception:
         pass  # no Hugging Face cache yet
-    hub = heads.Hub(_notify)
+    hub = heads.Hub(notify)
     rows = []
     for folder in folders:
         cfg = folder / "config.json"
@@ -147,8 +166,4 @@ def cmd_models(args) -> int:
         except DynoError as e:
             status = f"unknown ({e.message})"
         rows.append((str(folder), model_type, status))
-    if not rows:
-        print("no Qwen3.5-family models found")
-        return 0
-    _table(("MODEL", "TYPE", "MTP HEAD"), rows)
-    return 0
+    return rows

@@ -30,6 +30,7 @@ def add_command(sub) -> None:
                    help="requests decoded together; above 1 they are batched without drafting (default: 1)")
     p.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help="max_tokens for requests that do not set it (default: %(default)s)")
+    p.add_argument("--no-ui", action="store_true", help="do not serve the Gradio playground at /ui")
     p.set_defaults(func=run)
 
 
@@ -56,6 +57,22 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def make_app(served, ui: bool = True, ui_front: bool = False):
+    """The server's app, with the playground at /ui (and / redirecting to it when `ui_front`)."""
+    from .server import create_app
+
+    app = create_app(served)
+    if ui and served.worker.concurrency == 1:  # the playground drafts and swaps models: serial mode
+        from fastapi.responses import RedirectResponse
+
+        from .playground import UI_PATH, mount
+
+        if ui_front:
+            app.add_api_route("/", lambda: RedirectResponse(UI_PATH + "/"), include_in_schema=False)
+        mount(app, served)
+    return app
+
+
 def _stop(*_):
     raise KeyboardInterrupt
 
@@ -67,7 +84,6 @@ def run(args) -> int:
     from speculative.loader import load_model
 
     from .completions import ServedModel
-    from .server import create_app
     from .worker import EngineWorker
 
     if args.decode_concurrency < 1:
@@ -99,13 +115,18 @@ def run(args) -> int:
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
+    ui = not getattr(args, "no_ui", False) and worker.concurrency == 1
+    app = make_app(served, ui=ui, ui_front=getattr(args, "ui_front", False))
     print(f"dyno: serving {served.id} at http://{shown}:{port}/v1 ({describe(worker)})", flush=True)
+    if ui:
+        print(f"dyno: playground at http://{shown}:{port}/ui", flush=True)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))  # the per-request line, exactly
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
-    config = uvicorn.Config(create_app(served), log_level="warning", access_log=False, lifespan="off",
+    # Gradio starts its queue in the app's lifespan; the API alone needs none.
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on" if ui else "off",
                             timeout_graceful_shutdown=10)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _stop)  # uvicorn re-raises it after shutting down

@@ -2,7 +2,9 @@
 
 MLX streams belong to the thread that made them, and uvicorn and Gradio run handlers on pooled
 threads, so handlers never touch the model: they submit a Job and receive its outputs through the
-job's `sink`. Cancellation is a flag the worker reads between rounds.
+job's `sink`. Cancellation is a flag the worker reads between rounds. The playground also asks
+for the engine's own events (`trace`: tokens with provenance, rounds) and runs other MLX work
+(loading another model, reading memory) on this thread through `call`.
 
 Serial mode (decode concurrency 1) runs one request at a time through the engine, drafting with
 the MTP head when there is one, and keeps prefix caches for multi-turn reuse. Batched mode hands
@@ -10,6 +12,7 @@ concurrent requests to mlx-lm's BatchGenerator, which does not draft.
 """
 
 import gc
+from concurrent.futures import Future
 import logging
 import queue
 import threading
@@ -60,6 +63,29 @@ class Failed:
     message: str
 
 
+@dataclass(frozen=True)
+class Traced:
+    """An engine event (Token, Round or Done) and when it arrived; sent only to jobs with trace=True."""
+
+    event: object
+    at: float  # time.perf_counter()
+
+
+@dataclass
+class Call:
+    """A function to run on the engine thread between jobs; its result or exception goes to `future`."""
+
+    fn: Callable[[], object]
+    future: Future = field(default_factory=Future)
+
+    def run(self) -> None:
+        if self.future.set_running_or_notify_cancel():
+            try:
+                self.future.set_result(self.fn())
+            except BaseException as e:
+                self.future.set_exception(e)
+
+
 @dataclass
 class Job:
     """One request as the worker sees it: token ids in, outputs to `sink` (called on the worker thread)."""
@@ -73,6 +99,8 @@ class Job:
     started_at: Optional[float] = None
     first_token_at: Optional[float] = None
     stats: GenerationStats = field(default_factory=GenerationStats)
+    spec: Optional[SpecConfig] = None  # None: the worker's; drafting still needs a head and serial mode
+    trace: bool = False  # also send Traced engine events (before the text of each token)
 
     def cancel(self) -> None:
         """Ask the worker to stop this job at the next round (or drop it if it has not started)."""
@@ -119,6 +147,29 @@ class EngineWorker:
         self.jobs.put(job)
         return job
 
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the engine thread after the jobs queued before it; its result arrives in the Future."""
+        call = Call(fn)
+        self.jobs.put(call)
+        return call.future
+
+    def replace_model(self, load: Callable[[], Tuple[LoadedModel, SpecConfig]]) -> Future:
+        """Load another model on the engine thread and serve it from then on (serial mode only).
+
+        The new model is loaded before the old one is let go, so a failed load leaves the old one.
+        """
+        if self.concurrency != 1:
+            raise RuntimeError("the model cannot be replaced in batched mode")
+
+        def swap():
+            lm, spec = load()
+            self.prefix_cache.clear()  # its entries belong to the old model
+            self.lm, self.spec, self.eos = lm, spec, lm.eos_token_ids
+            gc.collect()
+            return lm
+
+        return self.call(swap)
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop at the next round of the current generation and wait for the thread."""
         self._closing.set()
@@ -157,6 +208,9 @@ class EngineWorker:
 
     def _serve_serial(self) -> None:
         while (job := self.jobs.get()) is not None:
+            if isinstance(job, Call):
+                job.run()
+                continue
             if job.cancelled.is_set():
                 self._finish(job, "cancelled")
                 continue
@@ -169,12 +223,16 @@ class EngineWorker:
 
     def _run(self, job: Job) -> None:
         """One request through the engine; stops between rounds when cancelled or a stop string hits."""
-        job.stats = GenerationStats(draft_depth=self.spec.draft_depth)
-        spec = self.spec if self.drafting else SpecConfig("off", self.spec.draft_depth)
+        spec = job.spec or self.spec
+        if spec.mode == "off" or self.lm.head is None:
+            spec = SpecConfig("off", spec.draft_depth)
+        job.stats = GenerationStats(draft_depth=spec.draft_depth)
         events = generate(self.lm, job.prompt, job.params, spec, prefix_cache=self.prefix_cache)
         reason = "cancelled"
         try:
             for event in events:
+                if job.trace:
+                    job.sink(Traced(event, time.perf_counter()))
                 job.stats.add(event)
                 if isinstance(event, Token):
                     self._on_token(job, event.id)
@@ -270,6 +328,9 @@ class EngineWorker:
             if job is None:
                 return False
             wait = False
+            if isinstance(job, Call):
+                job.run()
+                continue
             if job.cancelled.is_set():
                 self._finish(job, "cancelled")
                 continue

@@ -1,0 +1,34 @@
+"""Dyno's playground: `python app.py [--model PATH]` serves the Gradio UI at / (and /ui) in front of
+the same FastAPI app and engine thread as `dyno serve` (the OpenAI API stays at /v1)."""
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+
+def main(argv=None) -> int:
+    from dyno_ui.cli import _add_model_args
+    from dyno_ui.serve import run
+
+    parser = argparse.ArgumentParser(prog="app.py", description="The Dyno playground (Gradio) and OpenAI API.")
+    _add_model_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", 7860)),
+                        help="port (default: $PORT or %(default)s; 0 picks a free one)")
+    args = parser.parse_args(argv)
+    args.decode_concurrency, args.max_tokens_default, args.ui_front = 1, 512, True
+    try:
+        return run(args)
+    except Exception as e:
+        from speculative.errors import DynoError
+
+        if isinstance(e, DynoError):
+            print(f"dyno: error: {e.message}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

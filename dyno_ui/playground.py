@@ -1,0 +1,298 @@
+"""The Gradio playground: Chat, Compare and Models tabs, mounted on the server's FastAPI app.
+
+Layout and wiring only: callbacks call Sessions (jobs on the engine thread), and render.py and
+charts.py turn Traces into HTML and figures.
+"""
+
+import os
+import time
+from typing import List, Optional
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+from fastapi import FastAPI  # noqa: E402
+
+from speculative.config import MAX_DRAFT_DEPTH  # noqa: E402
+from speculative.errors import DynoError  # noqa: E402
+
+from . import charts, render  # noqa: E402
+from .completions import ServedModel  # noqa: E402
+from .models import ASSETS  # noqa: E402
+from .sessions import CHART_S, Sessions  # noqa: E402
+from .trace import Trace  # noqa: E402
+
+CSS = ASSETS / "dyno.css"
+UI_PATH = "/ui"
+REPLAY_MAX_S = 6.0  # a slow race is replayed faster, to last at most this long
+
+
+def theme() -> gr.themes.Base:
+    """Gradio's default theme in Dyno's colours, with system fonts (nothing fetched from the web)."""
+    return gr.themes.Default(primary_hue="emerald", neutral_hue="slate",
+                             font=["system-ui", "-apple-system", "Segoe UI", "sans-serif"],
+                             font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "monospace"])
+
+
+def _fail(e: DynoError):
+    raise gr.Error(e.message)
+
+
+def _session(request: Optional[gr.Request]) -> Optional[str]:
+    return getattr(request, "session_hash", None)
+
+
+def _display(history: List[dict]) -> List[dict]:
+    """Chatbot messages for the history: reasoning as a collapsible "Thinking" message."""
+    out = []
+    for m in history:
+        if m.get("reasoning"):
+            out.append({"role": "assistant", "content": m["reasoning"], "metadata": {"title": "Thinking"}})
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _template(history: List[dict], system: str) -> List[dict]:
+    msgs = [{"role": "system", "content": system}] if system.strip() else []
+    return msgs + [{"role": m["role"], "content": m["content"]} for m in history]
+
+
+def build(served: ServedModel) -> gr.Blocks:
+    """The playground's Blocks for `served` (whose worker is started)."""
+    s = Sessions(served)
+    d = s.defaults()
+    with gr.Blocks(title="Dyno playground", analytics_enabled=False) as ui:
+        gr.HTML('<div class="dyno-header"><h1>Dyno</h1><span>exact MTP speculative decoding on MLX</span></div>')
+        with gr.Tabs():
+            with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
+                chat = _chat_tab(s, d)
+            with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
+                _compare_tab(s, d, chat)
+            with gr.Tab("Models", id="models", elem_id="tab-models"):
+                current = _models_tab(s, chat)
+        ui.load(s.describe, None, current)
+    return ui
+
+
+def _sampling_controls(d, prefix: str) -> dict:
+    c = {}
+    c["temperature"] = gr.Slider(0, 2, value=d.temperature, step=0.05, label="temperature",
+                                 elem_id=f"{prefix}-temperature")
+    c["top_p"] = gr.Slider(0.01, 1, value=d.top_p, step=0.01, label="top-p")
+    c["top_k"] = gr.Slider(0, 200, value=d.top_k, step=1, label="top-k (0: off)")
+    c["min_p"] = gr.Slider(0, 1, value=d.min_p, step=0.01, label="min-p")
+    c["max_tokens"] = gr.Slider(1, 4096, value=d.max_tokens, step=1, label="max tokens",
+                                elem_id=f"{prefix}-max-tokens")
+    c["seed"] = gr.Number(value=-1, precision=0, label="seed (-1: random)")
+    return c
+
+
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")
+
+
+def _chat_tab(s: Sessions, d) -> dict:
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3):
+            chatbot = gr.Chatbot(height=360, buttons=["copy", "copy_all"], elem_id="chatbot",
+                                 label="Conversation", feedback_options=None)
+            with gr.Row():
+                message = gr.Textbox(placeholder="Ask something…", show_label=False, scale=5, lines=2,
+                                     elem_id="chat-input")
+                send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+            with gr.Row():
+                stop = gr.Button("Stop", variant="stop", elem_id="stop-button", size="sm")
+                regen = gr.Button("Regenerate", elem_id="regenerate", size="sm")
+                clear = gr.Button("Clear", elem_id="clear", size="sm")
+            gr.HTML(render.legend_html())
+            answer = gr.HTML(render.answer_html(None, placeholder="The last answer appears here, token by token."),
+                             elem_id="answer")
+            stats = gr.HTML(render.stats_line(None), elem_id="stats")
+        with gr.Column(scale=2, min_width=280):
+            system = gr.Textbox(label="System prompt", lines=2, elem_id="system")
+            thinking = gr.Checkbox(label="Thinking (for templates that support it)", value=False)
+            mode = gr.Radio(["auto", "mtp", "off"], value="auto", label="Speculative decoding", elem_id="mode")
+            depth = gr.Slider(1, MAX_DRAFT_DEPTH, value=s.served.worker.spec.draft_depth, step=1,
+                              label="draft depth", elem_id="depth")
+            with gr.Accordion("Sampling (from the model's generation_config)", open=True):
+                sampling = _sampling_controls(d, "chat")
+    with gr.Row(elem_classes="dyno-charts"):
+        plots = [gr.Plot(charts.rounds_figure(None), elem_id="plot-rounds", show_label=False),
+                 gr.Plot(charts.positions_figure(None), elem_id="plot-positions", show_label=False),
+                 gr.Plot(charts.histogram_figure(None), elem_id="plot-histogram", show_label=False)]
+    history = gr.State([])
+    settings = [system, thinking, mode, depth] + [sampling[k] for k in SAMPLING]
+    outputs = [chatbot, history, answer, stats] + plots
+
+    def run(history, system, thinking, mode, depth, *values, request: gr.Request = None):
+        """Stream the assistant's reply to the last user message of `history`."""
+        try:
+            prompt = s.chat_prompt(_template(history, system), thinking)
+            params = s.params(*values, prompt_len=len(prompt))
+            spec = s.spec(mode, depth)
+        except DynoError as e:
+            _fail(e)
+        charted = 0.0
+        trace = Trace(time.perf_counter())
+        for trace in s.stream(prompt, params, spec, _session(request)):
+            reply = {"role": "assistant", "content": trace.text(), "reasoning": trace.text("reasoning")}
+            now = time.perf_counter()
+            shown = history + [reply]
+            slow = [gr.skip()] * 5  # text and charts a few times a second; the stats line every frame
+            if now - charted >= CHART_S or trace.finished:
+                charted = now
+                slow = [_display(shown), render.answer_html(trace), charts.rounds_figure(trace),
+                        charts.positions_figure(trace), charts.histogram_figure(trace)]
+            yield [slow[0], shown if trace.finished else gr.skip(), slow[1], render.stats_line(trace)] + slow[2:]
+
+    def submit(text, history, *rest, request: gr.Request = None):
+        if not text.strip():
+            raise gr.Error("Type a message first")
+        history = history + [{"role": "user", "content": text}]
+        yield [gr.skip()] * len(outputs) + [""]
+        for frame in run(history, *rest, request=request):
+            yield frame + [gr.skip()]
+
+    def regenerate(history, *rest, request: gr.Request = None):
+        while history and history[-1]["role"] == "assistant":
+            history = history[:-1]
+        if not history:
+            raise gr.Error("Nothing to regenerate")
+        yield from run(history, *rest, request=request)
+
+    for trigger in (send.click, message.submit):
+        trigger(submit, [message, history] + settings, outputs + [message], concurrency_limit=None)
+    regen.click(regenerate, [history] + settings, outputs, concurrency_limit=None)
+    def stop_job(request: gr.Request):
+        s.stop(_session(request))
+
+    stop.click(stop_job, None, None, queue=False)
+    clear.click(lambda: ([], [], render.answer_html(None), render.stats_line(None),
+                         charts.rounds_figure(None), charts.positions_figure(None), charts.histogram_figure(None)),
+                None, outputs, queue=False)
+    return {"depth": depth, **sampling}
+
+
+def _compare_tab(s: Sessions, d, chat: dict) -> None:
+    gr.Markdown("One prompt, decoded with MTP drafts and without, one after the other on the same model "
+                "and sampling; then replayed side by side on a shared timeline.")
+    with gr.Row():
+        prompt = gr.Textbox(label="Prompt", lines=2, scale=4, elem_id="compare-prompt",
+                            value="Write a Python function that checks whether a number is prime.")
+        with gr.Column(scale=1, min_width=200):
+            depth = gr.Slider(1, MAX_DRAFT_DEPTH, value=s.served.worker.spec.draft_depth, step=1, label="draft depth")
+            go = gr.Button("Race", variant="primary", elem_id="compare-run")
+    with gr.Accordion("Sampling", open=False):
+        sampling = _sampling_controls(d, "compare")
+        sampling["temperature"].value = 0.0  # a race at temperature 0 can check the outputs are identical
+    summary = gr.HTML(render.stats_line(None), elem_id="compare-summary")
+    with gr.Row(equal_height=True):
+        with gr.Column():
+            gr.HTML('<div class="race-label race-mtp">MTP speculative</div>')
+            left = gr.HTML(render.answer_html(None), elem_id="compare-mtp")
+        with gr.Column():
+            gr.HTML('<div class="race-label race-plain">plain decoding</div>')
+            right = gr.HTML(render.answer_html(None), elem_id="compare-plain")
+    race = gr.Plot(charts.race_figure(None, None), elem_id="plot-race", show_label=False)
+
+    def compare(text, depth, *values, request: gr.Request = None):
+        if not text.strip():
+            raise gr.Error("Type a prompt first")
+        if s.lm.head is None:
+            raise gr.Error(f"{s.lm.path.name} has no MTP head: nothing to compare")
+        try:
+            ids = s.chat_prompt([{"role": "user", "content": text}], False)
+            params = s.params(*values, prompt_len=len(ids))
+        except DynoError as e:
+            _fail(e)
+        runs = {}
+        for name, mode in (("mtp", "mtp"), ("plain", "off")):
+            for trace in s.stream(ids, params, s.spec(mode, depth), _session(request)):
+                status = f'<div class="dyno-stats">running {name}: {len(trace.token_ids)} tokens…</div>'
+                yield status, gr.skip(), gr.skip(), gr.skip()
+            if trace.finish_reason == "cancelled" or trace.error:
+                yield render.stats_line(trace), gr.skip(), gr.skip(), gr.skip()
+                return
+            runs[name] = trace
+        spec, plain = runs["mtp"], runs["plain"]
+        # The replay: both runs from their first token, on one clock (sped up when long).
+        length = max(t.token_times[-1] - t.token_times[0] for t in runs.values() if t.token_times) if spec.token_times else 0
+        scale = max(1.0, length / REPLAY_MAX_S)
+        start = time.perf_counter()
+        while True:
+            at = (time.perf_counter() - start) * scale
+            frames = [render.answer_html(t, until=t.token_times[0] + at if t.token_times else None)
+                      for t in (spec, plain)]
+            done = at >= length
+            yield (render.compare_summary(spec, plain, params.greedy, s.decode) if done else
+                   f'<div class="dyno-stats">replaying the race: {at:.2f} s</div>',
+                   *frames, charts.race_figure(spec, plain, until=None if done else at))
+            if done:
+                return
+            time.sleep(CHART_S / 2)
+
+    go.click(compare, [prompt, depth] + [sampling[k] for k in SAMPLING], [summary, left, right, race],
+             concurrency_limit=None)
+
+
+def _models_tab(s: Sessions, chat: dict) -> gr.Markdown:
+    current = gr.Markdown(elem_id="current-model")
+    with gr.Row():
+        folder = gr.Textbox(label="Model folder (or pick one below)", scale=4, elem_id="model-folder")
+        refresh = gr.Button("Scan", scale=1)
+    table = gr.Dataframe(headers=["model", "type", "MTP head"], interactive=False, elem_id="models-table",
+                         wrap=True)
+    with gr.Row():
+        load = gr.Button("Load model", variant="primary", elem_id="load-model")
+        fetch = gr.Button("Fetch head", elem_id="fetch-head")
+    status = gr.Markdown(elem_id="models-status")
+
+    def scan(extra):
+        return s.local_models([extra] if extra else []), s.describe()
+
+    def wait(future, progress, what: str, notes: List[str]):
+        s_start = time.perf_counter()
+        while not future.done():
+            elapsed = time.perf_counter() - s_start
+            progress(min(0.95, elapsed / (elapsed + 5)), desc=notes[-1] if notes else what)
+            time.sleep(0.2)
+        return future.result()
+
+    def do_load(path, progress=gr.Progress()):
+        if not path:
+            raise gr.Error("Type or pick a model folder")
+        notes: List[str] = []
+        progress(0, desc="queued behind running generations")
+        try:
+            lm = wait(s.load(path, notes.append), progress, f"loading {path}", notes)
+        except DynoError as e:
+            _fail(e)
+        d = s.defaults()
+        return (f"Loaded {lm.path.name}.", s.describe(), d.temperature, d.top_p, d.top_k, d.min_p,
+                s.served.worker.spec.draft_depth)
+
+    def do_fetch(path, progress=gr.Progress()):
+        if not path:
+            raise gr.Error("Type or pick a model folder")
+        try:
+            notes: List[str] = []
+            target, base = wait(s.fetch_head(path, notes.append), progress, f"fetching the head for {path}", notes)
+        except DynoError as e:
+            _fail(e)
+        msg = f"{target} carries its own head." if base is None else f"Head of {base} cached in `{target}`."
+        return msg, s.local_models([path])
+
+    refresh.click(scan, [folder], [table, current])
+    def pick(evt: gr.SelectData):
+        return evt.row_value[0] if evt.row_value else gr.skip()
+
+    table.select(pick, None, folder)
+    load.click(do_load, [folder], [status, current, chat["temperature"], chat["top_p"], chat["top_k"],
+                                  chat["min_p"], chat["depth"]])
+    fetch.click(do_fetch, [folder], [status, table])
+    return current
+
+
+def mount(app: FastAPI, served: ServedModel, path: str = UI_PATH) -> FastAPI:
+    """Mount the playground on `app` at `path` (the server's routes stay as they are)."""
+    return gr.mount_gradio_app(app, build(served), path=path, theme=theme(), css_paths=[CSS],
+                               footer_links=["api"], ssr_mode=False)

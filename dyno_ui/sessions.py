@@ -1,0 +1,167 @@
+"""What the playground's callbacks do, without Gradio widgets: jobs in, Traces out.
+
+Callbacks run on Gradio's pooled threads; everything that touches MLX goes to the engine thread,
+as a traced Job or through `worker.call`. One job per browser session can be stopped.
+"""
+
+import queue
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+
+from speculative.config import SamplingParams, SpecConfig
+from speculative.errors import DynoError
+
+from .completions import ServedModel, context_length
+from .textstream import TextAssembler, initial_channel
+from .trace import Trace
+from .worker import Job
+
+FRAME_S = 0.2  # the answer and stats while streaming; the conversation and charts every CHART_S
+CHART_S = 0.5
+
+
+class Sessions:
+    """The playground's access to the served model: chat and compare jobs, stopping, model management."""
+
+    def __init__(self, served: ServedModel):
+        self.served = served
+        self.running: Dict[str, Job] = {}
+
+    @property
+    def lm(self):
+        return self.served.lm
+
+    # ---- settings ------------------------------------------------------------------------
+
+    def defaults(self) -> SamplingParams:
+        """The model's generation_config sampling values (greedy where it has none)."""
+        from .cli import sampling_from
+
+        none = type("Args", (), dict(temp=None, top_p=None, top_k=None, min_p=None, seed=None,
+                                     max_tokens=self.served.default_max_tokens))
+        return sampling_from(none, self.lm.generation_config)
+
+    def params(self, temperature, top_p, top_k, min_p, max_tokens, seed, prompt_len: int) -> SamplingParams:
+        """Validated sampling values from the sliders; max_tokens capped by the context left."""
+        room = context_length(self.lm) - prompt_len
+        if room < 1:
+            raise DynoError(f"the conversation ({prompt_len} tokens) fills the model's context")
+        seed = None if seed is None or seed == "" or int(seed) < 0 else int(seed)
+        return SamplingParams(float(temperature), float(top_p), int(top_k), float(min_p),
+                              min(int(max_tokens), room), seed)
+
+    def spec(self, mode: str, depth) -> SpecConfig:
+        """The job's speculation; `mtp` on a model without a head is the user's error."""
+        if mode == "mtp" and self.lm.head is None:
+            raise DynoError(f"{self.lm.path.name} has no MTP head: choose auto or off, or fetch a head")
+        return SpecConfig(mode, int(depth))
+
+    def chat_prompt(self, messages: Sequence[dict], thinking: bool) -> List[int]:
+        """Token ids of the conversation through the tokenizer's chat template."""
+        try:
+            ids = self.lm.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                                        enable_thinking=bool(thinking))
+        except Exception as e:
+            raise DynoError(f"cannot apply the chat template: {e}") from None
+        return list(ids)
+
+    # ---- generating ----------------------------------------------------------------------
+
+    def stream(self, prompt: List[int], params: SamplingParams, spec: SpecConfig,
+               session: Optional[str]) -> Iterator[Trace]:
+        """Run one traced job; yield its Trace every FRAME_S and once finished. Leaving early stops it."""
+        inbox: "queue.Queue[object]" = queue.Queue()
+        text = TextAssembler(self.lm.tokenizer, [], split_reasoning=True,
+                             initial=initial_channel(self.lm.tokenizer, prompt))
+        job = Job(prompt, params, text, inbox.put, spec=spec, trace=True)
+        trace = Trace(job.submitted_at)
+        if session is not None:
+            self.running[session] = job
+        self.served.worker.submit(job)
+        try:
+            shown = 0.0
+            while not trace.finished:
+                try:
+                    trace.add(inbox.get(timeout=FRAME_S))
+                    while True:
+                        trace.add(inbox.get_nowait())
+                except queue.Empty:
+                    pass
+                now = time.perf_counter()
+                if now - shown >= FRAME_S or trace.finished:
+                    shown = now
+                    yield trace
+        finally:
+            if not trace.finished:
+                job.cancel()
+            if session is not None and self.running.get(session) is job:
+                del self.running[session]
+
+    def stop(self, session: Optional[str]) -> bool:
+        """Cancel the session's running job (it ends at the next round); False when none runs."""
+        job = self.running.get(session) if session is not None else None
+        if job is None:
+            return False
+        job.cancel()
+        return True
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.lm.tokenizer.decode(list(ids))
+
+    # ---- models --------------------------------------------------------------------------
+
+    def on_engine(self, fn: Callable[[], object], timeout: Optional[float] = None):
+        """fn's result, run on the engine thread (after queued jobs)."""
+        return self.served.worker.call(fn).result(timeout)
+
+    def local_models(self, folders: Sequence[str] = ()) -> List[tuple]:
+        """(folder, type, head status) rows, read on the engine thread (head checks read tensors)."""
+        from .head_cli import local_models
+
+        extra = [Path(f).expanduser() for f in folders if f]
+        return self.on_engine(lambda: local_models(extra, notify=lambda m: None))
+
+    def load(self, path: str, notify: Callable[[str], None]):
+        """A Future of the model at `path` replacing the served one (loaded on the engine thread)."""
+        from speculative.loader import load_model
+        from speculative.tuning import resolve_depth
+
+        folder = Path(path).expanduser()
+
+        def load():
+            lm = load_model(folder, mode="auto", notify=notify)
+            depth = resolve_depth(lm, "auto") if lm.head is not None else SpecConfig().draft_depth
+            return lm, SpecConfig("auto", depth)
+
+        future = self.served.worker.replace_model(load)
+
+        def swapped(f):
+            if f.exception() is None:
+                lm = f.result()
+                self.served.lm, self.served.id = lm, lm.path.name
+        future.add_done_callback(swapped)
+        return future
+
+    def fetch_head(self, path: str, notify: Callable[[str], None]):
+        """A Future of (head folder, base repo) for the model at `path` (fetched on the engine thread)."""
+        from .head_cli import pull_head
+
+        return self.served.worker.call(lambda: pull_head(path, None, notify))
+
+    def describe(self) -> str:
+        """The current model, its head, drafting depth and memory, as Markdown."""
+        import mlx.core as mx
+
+        lm, worker = self.lm, self.served.worker
+        try:
+            active, peak = self.on_engine(lambda: (mx.get_active_memory(), mx.get_peak_memory()), timeout=2)
+            mlx_mem = f"MLX memory {active / 2**20:.0f} MiB (peak {peak / 2**20:.0f} MiB)"
+        except Exception:
+            mlx_mem = "MLX memory: engine busy"
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+        head = f"MTP head from `{lm.head_source}`, draft depth {worker.spec.draft_depth}" if lm.head is not None \
+            else "no MTP head: plain decoding"
+        return f"**{lm.path.name}** · `{lm.path}`  \n{head}  \n{mlx_mem} · process peak RSS {rss:.0f} MiB"

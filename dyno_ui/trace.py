@@ -1,0 +1,118 @@
+"""One generation as the playground sees it: a fold of a traced job's outputs (pure, no MLX).
+
+The worker sends each engine event as `Traced` just before the text that event's token produced,
+so every piece of text is attributed to the provenance of the token that made it.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from speculative.events import Done, Round, Token
+
+from .worker import Failed, Finished, TextDelta, Traced
+
+
+@dataclass(frozen=True)
+class Span:
+    """Text one token produced, in one channel ("content" or "reasoning")."""
+
+    text: str
+    kind: str  # a Provenance value: "draft", "correction", "bonus" or "plain"
+    channel: str
+    at: float  # when its token arrived (perf_counter seconds)
+
+
+@dataclass(frozen=True)
+class RoundPoint:
+    """One draft/verify round: drafts kept of drafted, and the tokens per second it committed at."""
+
+    drafted: int
+    accepted: int
+    seconds: float  # since the previous round (or the first token)
+
+    @property
+    def tokens(self) -> int:
+        return self.accepted + 1  # the accepted drafts plus the correction or bonus token
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Trace:
+    """Running state of one traced generation; `add` each job output as it arrives."""
+
+    submitted_at: float
+    spans: List[Span] = field(default_factory=list)
+    token_ids: List[int] = field(default_factory=list)
+    token_times: List[float] = field(default_factory=list)
+    rounds: List[RoundPoint] = field(default_factory=list)
+    accepted_per_position: List[int] = field(default_factory=list)
+    done: Optional[Done] = None
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    _kind: str = "plain"
+    _last_round_at: Optional[float] = None
+
+    def add(self, item) -> None:
+        if isinstance(item, Traced):
+            self._event(item.event, item.at)
+        elif isinstance(item, TextDelta) and item.text:
+            at = self.token_times[-1] if self.token_times else self.submitted_at
+            self.spans.append(Span(item.text, self._kind, item.channel, at))
+        elif isinstance(item, Finished):
+            self.finish_reason = item.finish_reason
+        elif isinstance(item, Failed):
+            self.error = item.message
+
+    def _event(self, event, at: float) -> None:
+        if isinstance(event, Token):
+            self._kind = event.provenance.value
+            self.token_ids.append(event.id)
+            self.token_times.append(at)
+        elif isinstance(event, Round):
+            since = self._last_round_at or (self.token_times[-1] if self.token_times else at)
+            self.rounds.append(RoundPoint(event.drafted, event.accepted, at - since))
+            self._last_round_at = at
+            if len(self.accepted_per_position) < event.drafted:
+                self.accepted_per_position += [0] * (event.drafted - len(self.accepted_per_position))
+            for pos in event.accepted_positions:
+                self.accepted_per_position[pos - 1] += 1
+        elif isinstance(event, Done):
+            self.done = event
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def text(self, channel: str = "content") -> str:
+        return "".join(s.text for s in self.spans if s.channel == channel)
+
+    @property
+    def drafted(self) -> int:
+        return sum(r.drafted for r in self.rounds)
+
+    @property
+    def accepted(self) -> int:
+        return sum(r.accepted for r in self.rounds)
+
+    @property
+    def ttft_s(self) -> Optional[float]:
+        return self.token_times[0] - self.submitted_at if self.token_times else None
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        """Decode speed: tokens after the first over the time from the first to the last."""
+        if len(self.token_times) < 2 or self.token_times[-1] <= self.token_times[0]:
+            return None
+        return (len(self.token_times) - 1) / (self.token_times[-1] - self.token_times[0])
+
+    @property
+    def tokens_per_round(self) -> Optional[float]:
+        return (len(self.token_ids) - 1) / len(self.rounds) if self.rounds else None
+
+    def acceptance_by_position(self) -> List[float]:
+        """Share of rounds whose draft at position i (1-based, index i-1) was accepted."""
+        counts = [sum(1 for r in self.rounds if r.drafted > i) for i in range(len(self.accepted_per_position))]
+        return [a / c if c else 0.0 for a, c in zip(self.accepted_per_position, counts)]
