@@ -75,10 +75,7 @@ class Trace:
             since = self._last_round_at or (self.token_times[-1] if self.token_times else at)
             self.rounds.append(RoundPoint(event.drafted, event.accepted, at - since))
             self._last_round_at = at
-            if len(self.accepted_per_position) < event.drafted:
-                self.accepted_per_position += [0] * (event.drafted - len(self.accepted_per_position))
-            for pos in event.accepted_positions:
-                self.accepted_per_position[pos - 1] += 1
+            event.tally(self.accepted_per_position)
         elif isinstance(event, Done):
             self.done = event
 

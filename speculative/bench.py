@@ -67,9 +67,7 @@ def run_dyno(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams, spe
             run.rounds += 1
             run.drafted += e.drafted
             run.accepted += e.accepted
-            run.accepted_per_position += [0] * (e.drafted - len(run.accepted_per_position))
-            for p in e.accepted_positions:
-                run.accepted_per_position[p - 1] += 1
+            e.tally(run.accepted_per_position)
         elif isinstance(e, Done):
             run.ttft_s = e.prefill_s
             run.decode_tps = (e.generated_tokens - 1) / e.decode_s if e.decode_s > 0 else 0.0

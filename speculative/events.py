@@ -2,7 +2,7 @@
 
 import enum
 from dataclasses import dataclass
-from typing import Tuple
+from typing import List, Tuple
 
 
 class Provenance(enum.Enum):
@@ -36,6 +36,12 @@ class Round:
     def accepted_positions(self) -> Tuple[int, ...]:
         """1-based draft positions that were accepted."""
         return tuple(range(1, self.accepted + 1))
+
+    def tally(self, per_position: List[int]) -> None:
+        """Add this round's accepted positions to per-position counts, growing them to its depth."""
+        per_position.extend([0] * (self.drafted - len(per_position)))
+        for pos in self.accepted_positions:
+            per_position[pos - 1] += 1
 
 
 @dataclass(frozen=True)

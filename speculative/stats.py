@@ -27,10 +27,7 @@ class GenerationStats:
             self.rounds += 1
             self.draft_tokens += event.drafted
             self.accepted_tokens += event.accepted
-            if len(self.accepted_per_position) < event.drafted:
-                self.accepted_per_position += [0] * (event.drafted - len(self.accepted_per_position))
-            for pos in event.accepted_positions:
-                self.accepted_per_position[pos - 1] += 1
+            event.tally(self.accepted_per_position)
         elif isinstance(event, Done):
             self.done = event
 
