@@ -44,7 +44,8 @@ def rounds_figure(trace: Optional[Trace]) -> go.Figure:
     fig.add_scatter(x=x, y=[r.tokens_per_s for r in rounds], name="tok/s", yaxis="y2", mode="lines",
                     line=dict(color=COLORS["rate"], width=1.5))
     fig.update_xaxes(title_text="round")
-    fig.update_yaxes(title_text="tokens", dtick=1)
+    # Only the left axis: dtick=1 on the tok/s axis would mean thousands of ticks, seconds per redraw.
+    fig.layout.yaxis.update(title_text="tokens", dtick=1)
     return fig
 
 

@@ -123,7 +123,7 @@ def _chat_tab(s: Sessions, d) -> dict:
     settings = [system, thinking, mode, depth] + [sampling[k] for k in SAMPLING]
     outputs = [chatbot, history, answer, stats] + plots
 
-    def run(history, system, thinking, mode, depth, *values, request: gr.Request = None):
+    def run(history, system, thinking, mode, depth, values, request: Optional[gr.Request]):
         """Stream the assistant's reply to the last user message of `history`."""
         try:
             prompt = s.chat_prompt(_template(history, system), thinking)
@@ -144,20 +144,26 @@ def _chat_tab(s: Sessions, d) -> dict:
                         charts.positions_figure(trace), charts.histogram_figure(trace)]
             yield [slow[0], shown if trace.finished else gr.skip(), slow[1], render.stats_line(trace)] + slow[2:]
 
-    def submit(text, history, *rest, request: gr.Request = None):
+    # Explicit parameters, no *args: Gradio injects gr.Request only into named parameters, and Stop
+    # finds the running job by the request's session.
+    def submit(text, history, system, thinking, mode, depth, temperature, top_p, top_k, min_p, max_tokens, seed,
+               request: gr.Request):
         if not text.strip():
             raise gr.Error("Type a message first")
         history = history + [{"role": "user", "content": text}]
         yield [gr.skip()] * len(outputs) + [""]
-        for frame in run(history, *rest, request=request):
+        values = (temperature, top_p, top_k, min_p, max_tokens, seed)
+        for frame in run(history, system, thinking, mode, depth, values, request):
             yield frame + [gr.skip()]
 
-    def regenerate(history, *rest, request: gr.Request = None):
+    def regenerate(history, system, thinking, mode, depth, temperature, top_p, top_k, min_p, max_tokens, seed,
+                   request: gr.Request):
         while history and history[-1]["role"] == "assistant":
             history = history[:-1]
         if not history:
             raise gr.Error("Nothing to regenerate")
-        yield from run(history, *rest, request=request)
+        values = (temperature, top_p, top_k, min_p, max_tokens, seed)
+        yield from run(history, system, thinking, mode, depth, values, request)
 
     for trigger in (send.click, message.submit):
         trigger(submit, [message, history] + settings, outputs + [message], concurrency_limit=None)
@@ -194,7 +200,8 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
             right = gr.HTML(render.answer_html(None), elem_id="compare-plain")
     race = gr.Plot(charts.race_figure(None, None), elem_id="plot-race", show_label=False)
 
-    def compare(text, depth, *values, request: gr.Request = None):
+    def compare(text, depth, temperature, top_p, top_k, min_p, max_tokens, seed, request: gr.Request):
+        values = (temperature, top_p, top_k, min_p, max_tokens, seed)
         if not text.strip():
             raise gr.Error("Type a prompt first")
         if s.lm.head is None:

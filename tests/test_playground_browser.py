@@ -120,16 +120,14 @@ def test_chat_streams_coloured_drafts_charts_and_stats(page, shots):
     page.screenshot(path=str(shots / "chat.png"), full_page=True)
 
 
-@pytest.mark.skip(reason="known issue: on a starved 2-core machine the page stops responding while a long "
-                         "answer streams, so Stop cannot be clicked in time; to be fixed (render cost per frame)")
 def test_stop_mid_generation_then_generate_again(page):
-    set_number(page, "chat-max-tokens", 600)
+    set_number(page, "chat-max-tokens", 4096)  # tens of seconds here: Stop lands mid-stream
     page.locator("#chat-input textarea").fill("Keep going.")
     page.locator("#send").click()
     page.wait_for_function("document.querySelectorAll('#answer .tok').length > 8")
-    page.locator("#stop-button").click(force=True)
+    page.locator("#stop-button").click()
     line = wait_for_stats(page, r"finished: cancelled")
-    assert int(re.search(r"(\d+)\s*tokens", line).group(1)) < 600
+    assert int(re.search(r"(\d+)\s*tokens", line).group(1)) < 4096
     set_number(page, "chat-max-tokens", 20)
     page.locator("#chat-input textarea").fill("Once more.")
     page.locator("#send").click()

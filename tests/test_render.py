@@ -73,6 +73,9 @@ def test_figures_have_the_data_and_a_fixed_height():
     t = traced()
     rounds = charts.rounds_figure(t)
     assert [list(tr.y) for tr in rounds.data[:2]] == [[3, 3], [2, 3]] and rounds.layout.height == charts.HEIGHT
+    # Unit ticks on the token axis only: on the tok/s axis they meant thousands of ticks per redraw,
+    # which froze the browser while a long answer streamed.
+    assert rounds.layout.yaxis.dtick == 1 and rounds.layout.yaxis2.dtick is None
     assert list(charts.positions_figure(t).data[0].y) == [1.0, 1.0, 0.5]
     assert list(charts.histogram_figure(t).data[0].y) == [0, 0, 1, 1]
     race = charts.race_figure(t, traced(rounds=()))
