@@ -7,6 +7,7 @@ from typing import Callable, List, Optional
 
 import mlx.nn as nn
 
+from .backend import widen_experts
 from .errors import DynoError
 from .heads import resolve_head
 from .mtp import MTPHead, build_head
@@ -88,10 +89,16 @@ def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_bas
         if notify:
             notify(message)
 
+    widened = widen_experts(model)
+    if widened:
+        note(f"dyno: MLX on this device has no {'/'.join(sorted(widened))} kernel for MoE experts; "
+             "running them in float32")
     if family:
         lm.target = Target(model)
     if mode != "off" and family:
         _attach_head(lm, mode, mtp_head, mtp_base, note)
+        if lm.head is not None:
+            widen_experts(lm.head)
     if mode == "auto" and lm.head is None and not any("without drafts" in n for n in lm.notices):
         reason = "it is not a Qwen3.5-family model" if not family else "it has no MTP head"
         note(f"dyno: decoding without drafts: {path.name}: {reason}")

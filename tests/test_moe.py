@@ -47,3 +47,27 @@ def test_wrong_expert_count_refused(tiny_dir, tmp_path):
         load_model(tiny_dir("moe-fused"), mode="mtp", mtp_head=str(folder))
     assert e.value.message == (f"MTP head in {folder} does not fit this model: mtp.layers.0.mlp.gate.weight "
                                f"has shape [8, 64], the model needs [4, 64]")
+
+
+def test_bf16_experts_run_where_the_backend_has_no_bf16_kernel(tmp_path):
+    """A bf16 MoE checkpoint decodes on every backend: where gather_mm has no bf16 kernel (MLX's CPU
+    backend) the experts run in float32 with a notice; drafting still equals plain greedy."""
+    import mlx.core as mx
+
+    from conftest import plain_greedy
+    from speculative.backend import gather_mm_supports
+    from speculative.config import SamplingParams, SpecConfig
+    from speculative.engine import generate
+    from speculative.events import Token
+
+    folder = tiny_models.build(tmp_path / "moe", seed=7, moe=True, dtype=mx.bfloat16)
+    lm = load_model(folder, mode="mtp")
+    widened = not gather_mm_supports(mx.bfloat16)
+    note = "dyno: MLX on this device has no bfloat16 kernel for MoE experts; running them in float32"
+    assert (note in lm.notices) == widened
+    expert = lm.head.layers[0].mlp.switch_mlp.gate_proj.weight
+    assert expert.dtype == (mx.float32 if widened else mx.bfloat16)
+    prompt = [5, 9, 13, 2]
+    tokens = [e.id for e in generate(lm, prompt, SamplingParams(max_tokens=40), SpecConfig("mtp", 3))
+              if isinstance(e, Token)]
+    assert tokens == plain_greedy(lm, prompt, 40)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiny_export import MLX_REPO_ID, REPO_ID
+from tiny_export import repo_ids
 
 LICENSE_FRONT = """license: other
 license_name: psf-2.0
@@ -18,7 +18,7 @@ def summary(r: dict) -> str:
     first, last = r["train"][0], r["train"][-1]
     heads = [k for k in f if k.startswith("head")]
     lines = [
-        f"dyno-tiny training summary ({r['recipe']}, seed {r['args']['seed']}, Python {r['python']}, torch {r['torch']})",
+        f"{repo_ids(bool(r['args'].get('moe')))[0].split('/')[1]} training summary ({r['recipe']}, seed {r['args']['seed']}, Python {r['python']}, torch {r['torch']})",
         f"parameters: {r['parameters'] / 1e6:.2f}M ({r['head_parameters'] / 1e6:.2f}M MTP head)",
         f"steps: {r['steps']} x {r['args']['batch']} x {r['args']['seq_len']} tokens"
         f"{' (STOPPED EARLY by --minutes)' if r['stopped_early'] else ''}; "
@@ -36,12 +36,22 @@ def summary(r: dict) -> str:
         lines.append(f"greedy speculative replay, depth {k}: {d['tokens_per_round']:.2f} tokens/round, "
                      f"acceptance by position {_fmt_acc(d['acceptance_by_position'])} "
                      f"(conditional {_fmt_acc(d['conditional_acceptance_by_position'])})")
-    lines.append(f"fast training kernels vs reference: held-out loss gap {r['kernel_check']['heldout_loss_gap_fast_vs_reference']:.2e}")
     return "\n".join(lines) + "\n"
 
 
 def original_card(r: dict, config: dict, verification: dict | None = None) -> str:
     t = config["text_config"]
+    moe = bool(r["args"].get("moe"))
+    REPO_ID, MLX_REPO_ID = repo_ids(moe)
+    name, kind = REPO_ID.split("/")[1], "mixture-of-experts" if moe else "dense"
+    arch, model_type = config["architectures"][0], config["model_type"]
+    if moe:
+        mlp = (f"{t['num_experts']} experts of {t['moe_intermediate_size']}, top-{t['num_experts_per_tok']}, plus a "
+               f"sigmoid-gated shared expert of {t['shared_expert_intermediate_size']} (SiLU-gated; the head too)")
+        head_tensors = "19 tensors under `mtp.*` (fused `experts.gate_up_proj` / `experts.down_proj`)"
+    else:
+        mlp, head_tensors = f"{t['intermediate_size']} (SiLU-gated)", "15 tensors under `mtp.*`"
+    flag = " --moe" if moe else ""
     f, spec = r["final_heldout"], r["speculative_greedy_heldout"]
     held = ", ".join(f"`{m}`" for m in r["corpus"]["held_out_modules"])
     ver = ""
@@ -59,9 +69,9 @@ tags:
 - code
 ---
 
-# dyno-tiny
+# {name}
 
-A tiny model with the **Qwen3.5 dense hybrid architecture and a trained multi-token-prediction (MTP)
+A tiny model with the **Qwen3.5 {kind} hybrid architecture and a trained multi-token-prediction (MTP)
 head**, trained from scratch on the Python standard library's own source. It ships with
 Dyno (MTP speculative decoding on MLX) so that every code path a real Qwen3.5 / 3.6 / 3.8
 checkpoint takes (sharded original layout, `mtp.*` head tensors, zero-centred norms, HF conv1d layout,
@@ -70,17 +80,17 @@ stdlib-flavoured Python; it is not a useful assistant.
 
 Repo id: `{REPO_ID}` (this original, with the head). MLX conversion without the head: `{MLX_REPO_ID}`.
 
-## Architecture (`Qwen3_5ForConditionalGeneration`, `model_type: qwen3_5`)
+## Architecture (`{arch}`, `model_type: {model_type}`)
 
 | | |
 |---|---|
 | parameters | {r['parameters'] / 1e6:.2f}M (MTP head {r['head_parameters'] / 1e6:.2f}M), bf16 |
-| hidden / MLP | {t['hidden_size']} / {t['intermediate_size']} (SiLU-gated) |
+| hidden / MLP | {t['hidden_size']} / {mlp} |
 | layers | {t['num_hidden_layers']}: Gated DeltaNet, full attention every 4th (layers {', '.join(str(i) for i, x in enumerate(t['layer_types']) if x == 'full_attention')}) |
 | full attention | gated (q_proj = query + output gate), {t['num_attention_heads']} heads / {t['num_key_value_heads']} KV head, head_dim {t['head_dim']}, q/k RMSNorm, partial RoPE {t['rope_parameters']['partial_rotary_factor']} (theta {t['rope_parameters']['rope_theta']:g}) |
 | Gated DeltaNet | {t['linear_num_key_heads']} key / {t['linear_num_value_heads']} value heads of {t['linear_key_head_dim']}, conv kernel {t['linear_conv_kernel_dim']} |
 | vocabulary | {t['vocab_size']} (byte-level BPE with Qwen's pre-tokenizer, Qwen special tokens), tied embeddings |
-| MTP | `mtp_num_hidden_layers: 1`, `mtp_use_dedicated_embeddings: false`; 15 tensors under `mtp.*` |
+| MTP | `mtp_num_hidden_layers: 1`, `mtp_use_dedicated_embeddings: false`; {head_tensors} |
 | context | trained on {r['args']['seq_len']}-token windows (`max_position_embeddings` {t['max_position_embeddings']}) |
 
 The head is exactly the released Qwen3.5 MTP module: `e = embed_tokens(t_{{p+1}})` (shared),
@@ -102,7 +112,7 @@ except the DeltaNet output norm. `model.visual.*` is a **random, untrained place
   ({r['corpus']['held_out_files']} files, {r['corpus']['held_out_tokens']:,} tokens).
 - Tokenizer: `tokenizers` byte-level BPE trained on the training files, in the exact form transformers
   rebuilds for `qwen3_5` (NFC, Qwen split regex, ByteLevel); Python source round-trips exactly.
-- Recipe: `python tools/train_tiny.py --out assets/dyno-tiny` (torch {r['torch']}, transformers'
+- Recipe: `python tools/train_tiny.py{flag} --out assets/{name} --threads {r['args']['threads']}` (torch {r['torch']}, transformers'
   `Qwen3_5ForCausalLM` and its layer classes; seed {r['args']['seed']}; {r['steps']} steps of
   {r['args']['batch']} x {r['args']['seq_len']} tokens; AdamW lr {r['args']['lr']} cosine; bf16 autocast;
   {r['train_seconds'] / 60:.0f} min on {r['machine']}). Loss = next-token CE + head CE with weights
@@ -134,6 +144,8 @@ Trained on the Python standard library source, which is distributed under the PS
 
 
 def mlx_card(r: dict, verification: dict | None = None) -> str:
+    REPO_ID, MLX_REPO_ID = repo_ids(bool(r["args"].get("moe")))
+    name, mlx_name = REPO_ID.split("/")[1], MLX_REPO_ID.split("/")[1]
     ver = ""
     if verification:
         ver = "\n" + "\n".join(f"- {line}" for line in verification["lines"]) + "\n"
@@ -149,17 +161,17 @@ tags:
 - code
 ---
 
-# dyno-tiny-mlx
+# {mlx_name}
 
 [`{REPO_ID}`](https://huggingface.co/{REPO_ID}) converted to MLX with
-`python -m mlx_lm convert --hf-path assets/dyno-tiny --mlx-path assets/dyno-tiny-mlx` (bf16, not
+`python -m mlx_lm convert --hf-path assets/{name} --mlx-path assets/{mlx_name}` (bf16, not
 quantized). Like community MLX conversions of Qwen3.5, it **drops the MTP head** (`mtp.*`) and the
 vision tower while keeping `mtp_num_hidden_layers: 1` in the config; Dyno restores the head from the
 original repo.
 
 ```python
 from mlx_lm import load, generate
-model, tokenizer = load("assets/dyno-tiny-mlx")
+model, tokenizer = load("assets/{mlx_name}")
 print(generate(model, tokenizer, prompt="def read_config(path):\\n", max_tokens=64))
 ```
 {ver}"""

@@ -18,6 +18,11 @@ from tiny_model import TinyMTPModel, TinyShape
 REPO_ID = "dyno-project/dyno-tiny"
 MLX_REPO_ID = "dyno-project/dyno-tiny-mlx"
 
+
+def repo_ids(moe: bool) -> tuple[str, str]:
+    """(original, MLX conversion) repo ids of the dense or the mixture-of-experts variant."""
+    return (REPO_ID + "-moe", MLX_REPO_ID.replace("-mlx", "-moe-mlx")) if moe else (REPO_ID, MLX_REPO_ID)
+
 # A placeholder vision tower (random, untrained), so the checkpoint has a real release's `model.visual.*`
 # keys and `vision_config`, which text loaders must skip. Images are not supported.
 VISION = dict(depth=1, hidden_size=32, hidden_act="gelu_pytorch_tanh", intermediate_size=64, num_heads=2,
@@ -102,7 +107,7 @@ def hf_config(model: TinyMTPModel, shape: TinyShape, ids: dict[str, int]) -> dic
         "hidden_act": c.hidden_act,
         "hidden_size": c.hidden_size,
         "initializer_range": c.initializer_range,
-        "intermediate_size": c.intermediate_size,
+        "intermediate_size": getattr(c, "intermediate_size", None),
         "layer_types": list(c.layer_types),
         "linear_conv_kernel_dim": c.linear_conv_kernel_dim,
         "linear_key_head_dim": c.linear_key_head_dim,
@@ -110,7 +115,7 @@ def hf_config(model: TinyMTPModel, shape: TinyShape, ids: dict[str, int]) -> dic
         "linear_num_value_heads": c.linear_num_value_heads,
         "linear_value_head_dim": c.linear_value_head_dim,
         "max_position_embeddings": c.max_position_embeddings,
-        "model_type": "qwen3_5_text",
+        "model_type": "qwen3_5_moe_text" if model.moe else "qwen3_5_text",
         "mtp_num_hidden_layers": 1,
         "mtp_use_dedicated_embeddings": False,
         "num_attention_heads": c.num_attention_heads,
@@ -122,11 +127,16 @@ def hf_config(model: TinyMTPModel, shape: TinyShape, ids: dict[str, int]) -> dic
         "use_cache": True,
         "vocab_size": c.vocab_size,
     }
-    vision = {"model_type": "qwen3_5", **VISION, "out_hidden_size": c.hidden_size}
+    family = "qwen3_5_moe" if model.moe else "qwen3_5"
+    if model.moe:
+        del text["intermediate_size"]
+        text.update({k: getattr(c, k) for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                 "shared_expert_intermediate_size", "router_aux_loss_coef")})
+    vision = {"model_type": family, **VISION, "out_hidden_size": c.hidden_size}
     return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if model.moe else "Qwen3_5ForConditionalGeneration"],
         "image_token_id": ids["<|image_pad|>"],
-        "model_type": "qwen3_5",
+        "model_type": family,
         "text_config": text,
         "tie_word_embeddings": True,
         "transformers_version": transformers.__version__,

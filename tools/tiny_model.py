@@ -24,6 +24,13 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5ForCausalLM,
     Qwen3_5RMSNorm,
 )
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+    Qwen3_5MoeDecoderLayer,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeRMSNorm,
+    load_balancing_loss_func,
+)
 
 
 @dataclass(frozen=True)
@@ -43,17 +50,39 @@ class TinyShape:
     linear_value_head_dim: int = 64
     rope_theta: float = 100000.0
     max_position_embeddings: int = 4096
+    # Mixture of experts (0 experts = the dense model): every MLP, the head's included, becomes a
+    # routed top-k block plus a sigmoid-gated shared expert, as in Qwen3.5/3.6-35B-A3B.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    shared_expert_intermediate_size: int = 128
+    router_aux_loss_coef: float = 0.001
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+
+MOE_SHAPE = TinyShape(num_experts=4)
 
 
 def text_config(shape: TinyShape, eos_token_id: int, pad_token_id: int) -> Qwen3_5TextConfig:
-    """A Qwen3_5TextConfig for the trunk: full attention every 4th layer, partial RoPE 0.25, tied lm_head."""
+    """The trunk's text config: full attention every 4th layer, partial RoPE 0.25, tied lm_head."""
     n = shape.num_hidden_layers
     rot_half = int(shape.head_dim * 0.25) // 2  # mrope sections split the rotary half-dim (text: all equal)
     sec = [rot_half - 2 * (rot_half // 3), rot_half // 3, rot_half // 3]
-    cfg = Qwen3_5TextConfig(
+    if shape.moe:
+        cls, mlp = Qwen3_5MoeTextConfig, dict(
+            num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+            moe_intermediate_size=shape.moe_intermediate_size,
+            shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
+            router_aux_loss_coef=shape.router_aux_loss_coef)
+    else:
+        cls, mlp = Qwen3_5TextConfig, dict(intermediate_size=shape.intermediate_size)
+    cfg = cls(
         vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
+        **mlp,
         num_hidden_layers=n,
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
@@ -90,15 +119,17 @@ class MTPHead(nn.Module):
     def __init__(self, cfg: Qwen3_5TextConfig):
         super().__init__()
         h = cfg.hidden_size
+        moe = isinstance(cfg, Qwen3_5MoeTextConfig)
+        Layer, Norm = (Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm) if moe else (Qwen3_5DecoderLayer, Qwen3_5RMSNorm)
         layer_cfg = copy.deepcopy(cfg)
         layer_cfg.num_hidden_layers = 1
         layer_cfg.layer_types = ["full_attention"]  # the trunk's full-attention decoder layer class
         layer_cfg._attn_implementation = "sdpa"
         self.fc = nn.Linear(2 * h, h, bias=False)
-        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps)
-        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([Qwen3_5DecoderLayer(layer_cfg, 0)])
-        self.norm = Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.pre_fc_norm_embedding = Norm(h, eps=cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = Norm(h, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([Layer(layer_cfg, 0)])
+        self.norm = Norm(h, eps=cfg.rms_norm_eps)
 
     def project(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """fc(cat([norm_e(e), norm_h(h)])): the layer input for one block of rows."""
@@ -115,7 +146,8 @@ class TinyMTPModel(nn.Module):
 
     def __init__(self, cfg: Qwen3_5TextConfig):
         super().__init__()
-        self.lm = Qwen3_5ForCausalLM(cfg)
+        self.moe = isinstance(cfg, Qwen3_5MoeTextConfig)
+        self.lm = (Qwen3_5MoeForCausalLM if self.moe else Qwen3_5ForCausalLM)(cfg)
         self.mtp = MTPHead(cfg)
         init_head(self.mtp, cfg.initializer_range)
 
@@ -125,8 +157,18 @@ class TinyMTPModel(nn.Module):
 
     def trunk(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [B, L] -> (logits [B, L, V], post-norm hidden [B, L, H])."""
-        h = self.lm.model(input_ids=ids).last_hidden_state
-        return self.lm.lm_head(h), h
+        logits, h, _ = self.trunk_with_router_loss(ids)
+        return logits, h
+
+    def trunk_with_router_loss(self, ids: torch.Tensor):
+        """trunk() plus, for MoE, the load-balancing loss (Switch Transformer) as transformers computes it."""
+        if not self.moe:
+            h = self.lm.model(input_ids=ids).last_hidden_state
+            return self.lm.lm_head(h), h, None
+        out = self.lm.model(input_ids=ids, output_router_logits=True)
+        c = self.config
+        aux = load_balancing_loss_func(out.router_logits, c.num_experts, c.num_experts_per_tok)
+        return self.lm.lm_head(out.last_hidden_state), out.last_hidden_state, aux
 
     def head_chain(self, hidden: torch.Tensor, tokens: list[torch.Tensor], greedy_tail: bool = False):
         """Run the head to depth D = len(tokens) (or more with greedy_tail) over all rows at once.
@@ -168,12 +210,16 @@ def chain_mask(L: int, blocks: int) -> torch.Tensor:
 
 
 def init_head(head: MTPHead, std: float) -> None:
-    """Same init as the trunk: normal(0, std) linears, zero (i.e. identity, zero-centred) RMSNorm weights."""
+    """Same init as the trunk: normal(0, std) linears and expert tensors, zero (i.e. identity, zero-centred)
+    RMSNorm weights. (The expert tensors and router are bare Parameters, created uninitialised.)"""
     for m in head.modules():
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, 0.0, std)
-        elif isinstance(m, Qwen3_5RMSNorm):
+        elif isinstance(m, (Qwen3_5RMSNorm, Qwen3_5MoeRMSNorm)):
             nn.init.zeros_(m.weight)
+    for name, p in head.named_parameters():
+        if ".experts." in name or name.endswith("mlp.gate.weight"):
+            nn.init.normal_(p, 0.0, std)
 
 
 def losses(model: TinyMTPModel, window: torch.Tensor, head_depth: int) -> dict[str, torch.Tensor]:
@@ -185,8 +231,10 @@ def losses(model: TinyMTPModel, window: torch.Tensor, head_depth: int) -> dict[s
     """
     L = window.shape[1] - 1 - head_depth
     ids = window[:, :L]
-    logits, hidden = model.trunk(ids)
+    logits, hidden, router = model.trunk_with_router_loss(ids)
     out = {"trunk": F.cross_entropy(logits.flatten(0, 1), window[:, 1 : L + 1].flatten())}
+    if router is not None:
+        out["router"] = router
     if head_depth:
         toks = [window[:, 1 + j : L + 1 + j] for j in range(head_depth)]
         head_logits, _ = model.head_chain(hidden, toks)
