@@ -215,7 +215,8 @@ def main() -> None:
         },
         "parameters": n_params, "head_parameters": n_head,
         "steps": steps_done, "stopped_early": stopped_early, "train_seconds": round(train_seconds, 1),
-        "total_seconds": round(time.time() - t_start + (train_seconds if done else 0), 1),
+        # this process's wall time plus the training a resumed checkpoint had already done
+        "total_seconds": round(time.time() - t_start + (train_seconds if done else seconds_before), 1),
         "final_heldout": final, "final_heldout_bf16_compute": final_bf16,
         "speculative_greedy_heldout": spec, "golden": golden,
         "evals": evals, "train": log,
