@@ -18,7 +18,7 @@ def add_commands(sub) -> None:
                        description="Paired, alternating runs: plain mlx-lm, Dyno off, Dyno mtp at each depth.")
     b.add_argument("--model", help="model folder (default: the bundled dyno-tiny)")
     b.add_argument("--suite", default="code", choices=[*SUITES, "all"])
-    b.add_argument("--depths", default="1,2,3,4", help="comma-separated draft depths (default: %(default)s)")
+    b.add_argument("--depths", default="1,2,3,4", help="comma-separated draft depths; `auto` adds the depth --draft-depth auto picks (default: %(default)s)")
     b.add_argument("--temp", type=float, nargs="+", default=[0.0], metavar="T", help="temperatures (default: 0)")
     b.add_argument("--top-p", type=float, default=0.95, help="top-p when T > 0 (default: %(default)s)")
     b.add_argument("--top-k", type=int, default=20, help="top-k when T > 0 (default: %(default)s)")
@@ -78,20 +78,25 @@ def _machine() -> dict:
 
 def cmd_bench(args) -> int:
     from speculative.bench import cost_model, paired_benchmark, speedup_bound
-    from speculative.config import SamplingParams
+    from speculative.config import MAX_DRAFT_DEPTH, SamplingParams
+    from speculative.tuning import resolve_depth
     from speculative.loader import load_model
 
+    names = [d.strip() for d in args.depths.split(",")]
     try:
-        depths = sorted({int(d) for d in args.depths.split(",")})
+        depths = sorted({int(d) for d in names if d != "auto"})
     except ValueError:
-        raise DynoError(f"--depths must be comma-separated integers, got {args.depths!r}") from None
+        raise DynoError(f"--depths must be comma-separated integers or auto, got {args.depths!r}") from None
+    if any(not 1 <= k <= MAX_DRAFT_DEPTH for k in depths):
+        raise DynoError(f"--depths must be between 1 and {MAX_DRAFT_DEPTH}, got {args.depths!r}")
     if args.pairs < 1:
         raise DynoError(f"--pairs must be at least 1, got {args.pairs}")
     lm = load_model(args.model or default_model(), mode="mtp")
+    auto = resolve_depth(lm, "auto") if "auto" in names else None
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     record = {"machine": _machine(), "model": str(lm.path), "quantization": lm.config.get("quantization"),
               "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "settings": {"depths": depths, "temps": args.temp, "max_tokens": args.max_tokens, "pairs": args.pairs,
+              "settings": {"depths": depths, "auto_depth": auto, "temps": args.temp, "max_tokens": args.max_tokens, "pairs": args.pairs,
                            "top_p": args.top_p, "top_k": args.top_k}, "results": []}
     first_prompt = None
     for suite in suites:
@@ -102,9 +107,9 @@ def cmd_bench(args) -> int:
                 params = SamplingParams(temperature=temp, top_p=args.top_p if temp else 1.0,
                                         top_k=args.top_k if temp else 0, max_tokens=args.max_tokens, seed=0)
                 print(f"[{suite}] T={temp} {item['prompt'][:40]!r}...", file=sys.stderr, flush=True)
-                res = paired_benchmark(lm, prompt, params, depths, pairs=args.pairs)
+                res = paired_benchmark(lm, prompt, params, depths, pairs=args.pairs, auto_depth=auto)
                 record["results"].append({"suite": suite, "prompt": item["prompt"], "temperature": temp, **res})
-    costs = cost_model(lm, first_prompt, depths)
+    costs = cost_model(lm, first_prompt, sorted(set(depths) | ({auto} if auto else set())))
     record["cost_model"] = costs
     _add_bounds(record, costs, speedup_bound)
     _print_table(record)

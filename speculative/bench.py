@@ -100,10 +100,15 @@ class SettingResult:
 
 
 def paired_benchmark(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams, depths: Sequence[int],
-                     pairs: int = 5, with_off: bool = True) -> Dict[str, object]:
-    """Alternate plain mlx-lm with each Dyno setting, `pairs` cycles after one warm-up cycle."""
+                     pairs: int = 5, with_off: bool = True, auto_depth: Optional[int] = None) -> Dict[str, object]:
+    """Alternate plain mlx-lm with each Dyno setting, `pairs` cycles after one warm-up cycle.
+
+    `auto_depth`: also run the depth `--draft-depth auto` resolved to, as its own setting "auto".
+    """
     settings = ([("off", SpecConfig("off"))] if with_off else []) + [
         (f"mtp@{k}", SpecConfig("mtp", k)) for k in depths]
+    if auto_depth is not None:
+        settings.append((f"auto(={auto_depth})", SpecConfig("mtp", auto_depth)))
     results = {name: SettingResult(name, spec.draft_depth if spec.mode == "mtp" else None, [], [], [],
                                    True if params.greedy else None) for name, spec in settings}
     base_tps, base_ttft = [], []

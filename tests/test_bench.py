@@ -35,16 +35,19 @@ def test_paired_benchmark_ratios_are_per_pair(tiny_lm):
 def test_bench_json_record(tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "dyno_ui", "bench", "--model", str(tiny_dir()), "--suite", "edit",
-                        "--depths", "1,2", "--pairs", "1", "--max-tokens", "20", "--json", str(out)],
+                        "--depths", "1,2,auto", "--pairs", "1", "--max-tokens", "20", "--json", str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
     record = json.loads(out.read_text())
     assert set(record) >= {"machine", "model", "commit", "settings", "results", "cost_model"}
     assert set(record["machine"]) >= {"platform", "mlx", "mlx_lm", "backend"}
-    assert set(record["cost_model"]["Tv"]) == {"1", "2"} and record["cost_model"]["T1"] > 0
+    auto = record["settings"]["auto_depth"]
+    assert 1 <= auto <= 4  # what --draft-depth auto resolves to, benchmarked as its own setting
+    assert set(record["cost_model"]["Tv"]) == {"1", "2", str(auto)} and record["cost_model"]["T1"] > 0
     (res,) = record["results"]
-    for name in ("off", "mtp@1", "mtp@2"):
+    for name in ("off", "mtp@1", "mtp@2", f"auto(={auto})"):
         assert res["settings"][name]["identical"] is True
+    assert res["settings"][f"auto(={auto})"]["depth"] == auto
     s = res["settings"]["mtp@2"]
     expected = s["tokens_per_round"] / (record["cost_model"]["Tv"]["2"] / record["cost_model"]["T1"]
                                         + 2 * record["cost_model"]["Td"] / record["cost_model"]["T1"])
@@ -56,4 +59,4 @@ def test_bench_json_record(tiny_dir, tmp_path):
 def test_bench_bad_depths():
     r = subprocess.run([sys.executable, "-m", "dyno_ui", "bench", "--depths", "a,b"], capture_output=True,
                        text=True, cwd=ROOT, timeout=120)
-    assert r.returncode == 2 and r.stderr == "dyno: error: --depths must be comma-separated integers, got 'a,b'\n"
+    assert r.returncode == 2 and r.stderr == "dyno: error: --depths must be comma-separated integers or auto, got 'a,b'\n"
