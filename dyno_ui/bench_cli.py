@@ -98,20 +98,21 @@ def cmd_bench(args) -> int:
               "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "settings": {"depths": depths, "auto_depth": auto, "temps": args.temp, "max_tokens": args.max_tokens, "pairs": args.pairs,
                            "top_p": args.top_p, "top_k": args.top_k}, "results": []}
-    first_prompt = None
+    cost_depths = sorted(set(depths) | ({auto} if auto else set()))
     for suite in suites:
         for item in SUITES[suite]:
             prompt = _encode(lm, item)
-            first_prompt = first_prompt or prompt
             for temp in args.temp:
                 params = SamplingParams(temperature=temp, top_p=args.top_p if temp else 1.0,
                                         top_k=args.top_k if temp else 0, max_tokens=args.max_tokens, seed=0)
                 print(f"[{suite}] T={temp} {item['prompt'][:40]!r}...", file=sys.stderr, flush=True)
                 res = paired_benchmark(lm, prompt, params, depths, pairs=args.pairs, auto_depth=auto)
+                # Measured right after its pairs: this machine's speed drifts by tens of percent over
+                # minutes, so a bound from another moment would misstate the efficiency.
+                res["cost_model"] = cost_model(lm, prompt, cost_depths)
                 record["results"].append({"suite": suite, "prompt": item["prompt"], "temperature": temp, **res})
-    costs = cost_model(lm, first_prompt, sorted(set(depths) | ({auto} if auto else set())))
-    record["cost_model"] = costs
-    _add_bounds(record, costs, speedup_bound)
+    record["cost_model"] = _median_costs([r["cost_model"] for r in record["results"]])
+    _add_bounds(record, speedup_bound)
     _print_table(record)
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1))
@@ -128,10 +129,18 @@ def _encode(lm, item) -> list:
     return lm.tokenizer.encode(item["prompt"])
 
 
-def _add_bounds(record, costs, bound) -> None:
-    """Per result and depth: the cost-model bound and the engine efficiency."""
-    t1, td = costs["T1"], costs["Td"]
+def _median_costs(models: list) -> dict:
+    import statistics
+
+    return {"T1": statistics.median(m["T1"] for m in models), "Td": statistics.median(m["Td"] for m in models),
+            "Tv": {k: statistics.median(m["Tv"][k] for m in models) for k in models[0]["Tv"]}}
+
+
+def _add_bounds(record, bound) -> None:
+    """Per result and depth: the cost-model bound (from that result's cost model) and the engine efficiency."""
     for res in record["results"]:
+        costs = res["cost_model"]
+        t1, td = costs["T1"], costs["Td"]
         for s in res["settings"].values():
             k = s["depth"]
             if k and s["tokens_per_round"]:

@@ -210,6 +210,7 @@ class Speculator:
         k = self.depth
         cycle_start = self.head_cache[0].offset
         drafts, draft_probs = self._draft(k)
+        mx.async_eval(drafts)  # the head computes while Python builds the verify graph below
         logits, hidden, tapes = self.target.verify(
             mx.concatenate([self.pending, drafts])[None], self.trunk_cache
         )
@@ -220,18 +221,20 @@ class Speculator:
             target_probs = mx.exp(warp(logits, self.params))
             n_acc, nxt = lossless_accept(drafts, draft_probs, target_probs, self._split())
         mx.eval(n_acc, nxt, drafts)
-        a = n_acc.item()
+        # The one host sync of the round: read everything now, while the stream is idle; a read
+        # after the async_eval below would wait for that work to finish.
+        a, next_id, accepted = n_acc.item(), nxt.item(), drafts.tolist()[: n_acc.item()]
         rollback(self.trunk_cache, tapes, fed=k + 1, consumed=a + 1)
         for c in self.head_cache:  # drop the recursive rows: committed rows come from trunk hiddens
             c.trim(c.offset - cycle_start)
         nxt = nxt.reshape(1)
         committed = mx.concatenate([drafts[:a], nxt])
         self.head_hidden = self._head(committed, hidden[:, : a + 1])[:, -1:]
+        mx.async_eval(self.head_hidden)  # and the committed head rows while the caller handles this round
         self.pending = nxt
         self.last_pass = (tapes, hidden, a + 1)
-        accepted = drafts[:a].tolist()
-        self.generated += accepted + [nxt.item()]
-        return accepted, self.generated[-1]
+        self.generated += accepted + [next_id]
+        return accepted, next_id
 
     def run(self, prompt: List[int], resume: Optional[PrefixEntry] = None) -> Iterator[Union[Token, Round]]:
         """Prefill (after `resume`'s prefix, if any), then rounds until the consumer stops iterating."""

@@ -1,6 +1,7 @@
 """The benchmark's own logic: ratios, bounds, the cost model and the JSON record."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,8 @@ def test_paired_benchmark_ratios_are_per_pair(tiny_lm):
 def test_bench_json_record(tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "dyno_ui", "bench", "--model", str(tiny_dir()), "--suite", "edit",
-                        "--depths", "1,2,auto", "--pairs", "1", "--max-tokens", "20", "--json", str(out)],
+                        "--depths", "1,2,auto", "--pairs", "1", "--max-tokens", "20", "--json", str(out),
+                        "--plot", str(tmp_path / "chart")],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
     record = json.loads(out.read_text())
@@ -49,11 +51,14 @@ def test_bench_json_record(tiny_dir, tmp_path):
         assert res["settings"][name]["identical"] is True
     assert res["settings"][f"auto(={auto})"]["depth"] == auto
     s = res["settings"]["mtp@2"]
-    expected = s["tokens_per_round"] / (record["cost_model"]["Tv"]["2"] / record["cost_model"]["T1"]
-                                        + 2 * record["cost_model"]["Td"] / record["cost_model"]["T1"])
+    c = res["cost_model"]  # measured right after this prompt's pairs
+    expected = s["tokens_per_round"] / (c["Tv"]["2"] / c["T1"] + 2 * c["Td"] / c["T1"])
     assert s["bound"] == pytest.approx(expected)
     assert s["efficiency"] == pytest.approx(s["ratio"]["median"] / s["bound"])
     assert "mtp@2" in r.stdout and "cost model: T1=" in r.stdout
+    assert "Plotly.newPlot" in (tmp_path / "chart.html").read_text()
+    if shutil.which("chromium") or shutil.which("google-chrome"):  # kaleido renders through the browser
+        assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_bad_depths():
