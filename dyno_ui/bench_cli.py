@@ -196,12 +196,17 @@ def _plot(record, path: str) -> None:
         raise DynoError("--plot needs plotly: pip install plotly kaleido") from None
     rows = [r for r in _aggregate(record) if r["setting"].startswith("mtp@")]
     fig = make_subplots(rows=1, cols=2, subplot_titles=("speedup vs plain mlx-lm", "tokens per round"))
-    for (suite, temp) in sorted({(r["suite"], r["temperature"]) for r in rows}):
+    palette = ["#2e9e6b", "#d9822b", "#3b6fd4", "#a23bd4", "#6b7280", "#c0392b", "#16a085", "#8e6c2b"]
+    for i, (suite, temp) in enumerate(sorted({(r["suite"], r["temperature"]) for r in rows})):
         sel = [r for r in rows if (r["suite"], r["temperature"]) == (suite, temp)]
         ks = [int(r["setting"].split("@")[1]) for r in sel]
-        fig.add_trace(go.Scatter(x=ks, y=[r["ratio"] for r in sel], name=f"{suite} T={temp}", mode="lines+markers"), 1, 1)
-        fig.add_trace(go.Scatter(x=ks, y=[r["tpr"] for r in sel], name=f"{suite} T={temp}", mode="lines+markers",
-                                 showlegend=False), 1, 2)
+        name, color = f"{suite} T={temp}", palette[i % len(palette)]
+        line = dict(legendgroup=name, mode="lines+markers", line=dict(color=color))
+        fig.add_trace(go.Scatter(x=ks, y=[r["ratio"] for r in sel], name=name, **line), 1, 1)
+        fig.add_trace(go.Scatter(x=ks, y=[r["bound"] for r in sel], name=f"{name}: cost-model bound",
+                                 legendgroup=name, mode="lines", line=dict(color=color, dash="dot")), 1, 1)
+        fig.add_trace(go.Scatter(x=ks, y=[r["tpr"] for r in sel], name=name, showlegend=False, **line), 1, 2)
+    fig.add_hline(y=1.0, line=dict(color="#888", width=1), row=1, col=1)
     fig.update_xaxes(title_text="draft depth", dtick=1)
     fig.update_layout(title=f"Dyno on {Path(record['model']).name} ({record['machine']['backend']})", width=1000, height=420)
     base = path[:-5] if path.endswith((".html", ".png")) else path

@@ -22,6 +22,8 @@ from .loader import LoadedModel
 # and each further position about 0.75 of the previous (real heads: 0.93/0.86/0.75 at depth 3
 # on Qwen3.8-27B, 0.87/0.72/0.63 on stock MLX per MTPLX's reports).
 PRIOR_FIRST, PRIOR_DECAY = 0.8, 0.75
+ESTIMATE_PROMPT = ('import os\nimport sys\n\n\ndef list_files(root, suffix=".py"):\n'
+                   '    """Return the paths under root that end with suffix, sorted."""\n')
 
 
 def tune_file() -> Path:
@@ -79,9 +81,27 @@ def resolve_depth(lm: LoadedModel, requested) -> int:
     from .bench import cost_model
 
     depths = list(range(1, 5))
-    prompt = lm.tokenizer.encode("def main():\n    return 0\n") or [0]
-    costs = cost_model(lm, prompt, depths, reps=5)
-    prior = [PRIOR_FIRST * PRIOR_DECAY**i for i in range(MAX_DRAFT_DEPTH)]
-    depth = best_by_cost(costs, prior)
-    store(lm, depth, {"source": "estimate", "cost_model": costs})
+    # Open-ended code, so that a short greedy run does not stop at once (code is where MTP heads
+    # are judged, and what `dyno bench`'s default suite measures).
+    prompt = lm.tokenizer.encode(ESTIMATE_PROMPT) or [0]
+    costs = cost_model(lm, prompt, depths, reps=9)
+    acceptance = measured_acceptance(lm, prompt, max(depths)) or [
+        PRIOR_FIRST * PRIOR_DECAY**i for i in range(MAX_DRAFT_DEPTH)]
+    depth = best_by_cost(costs, acceptance)
+    store(lm, depth, {"source": "estimate", "cost_model": costs, "acceptance": acceptance})
     return depth
+
+
+def measured_acceptance(lm: LoadedModel, prompt: Sequence[int], depth: int, tokens: int = 64) -> Optional[list]:
+    """Share of rounds whose draft at each position was accepted, from one short greedy run at `depth`
+    (None when too few rounds to say): the head's own acceptance instead of the prior."""
+    from .config import SamplingParams, SpecConfig
+    from .engine import generate
+    from .events import Round
+
+    per_position, rounds = [0] * depth, 0
+    for event in generate(lm, list(prompt), SamplingParams(max_tokens=tokens), SpecConfig("mtp", depth)):
+        if isinstance(event, Round):
+            rounds += 1
+            event.tally(per_position)
+    return [c / rounds for c in per_position] if rounds >= 8 else None

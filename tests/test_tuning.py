@@ -32,3 +32,16 @@ def test_tune_then_auto_uses_stored_depth(tiny_dir, tmp_path):
     assert f"stored depth {entry['depth']} for" in tuned.stdout
     out = run("generate", "--model", str(tiny_dir()), "--prompt", "x = 1", "--max-tokens", "10", "--json")
     assert json.loads(out.stdout)["speculative"]["draft_depth"] == entry["depth"]
+
+
+def test_estimate_measures_the_heads_acceptance():
+    """`auto` without a stored tune weighs depths by the head's own acceptance on a short greedy run
+    (on the bundled model, whose head is trained), not by the prior."""
+    from dyno_ui.models import BUNDLED_MODEL
+    from speculative.loader import load_model
+    from speculative.tuning import ESTIMATE_PROMPT, measured_acceptance
+
+    lm = load_model(BUNDLED_MODEL, mode="mtp")
+    acc = measured_acceptance(lm, lm.tokenizer.encode(ESTIMATE_PROMPT), 4)
+    assert len(acc) == 4 and acc[0] > 0.5
+    assert all(a >= b for a, b in zip(acc, acc[1:]))  # position i is kept only if i - 1 was
