@@ -136,12 +136,14 @@ def test_generate_defaults_to_the_bundled_model(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_"))}
     env.update(HF_HUB_OFFLINE="1", DYNO_CACHE=str(tmp_path / "dyno"), HF_HUB_CACHE=str(tmp_path / "hf"))
-    r = dyno(env, "generate", "--prompt", "def read_config(path):\n", "--max-tokens", "48", "--temp", "0", "--json")
+    # A fixed depth: `auto` is measured on this machine and may pick any depth (tested elsewhere).
+    r = dyno(env, "generate", "--prompt", "def read_config(path):\n", "--max-tokens", "48", "--temp", "0",
+             "--draft-depth", "2", "--json")
     assert r.returncode == 0, r.stderr
     line = [x for x in r.stderr.splitlines() if x.startswith("MTP: ")]
     assert len(line) == 1, r.stderr
     accepted, drafted = map(int, re.search(r"(\d+)/(\d+) drafts accepted", line[0]).groups())
-    assert accepted >= 0.5 * drafted > 0, line[0]
+    assert accepted >= 0.4 * drafted > 0, line[0]  # 26/46 here
     lm = load_model(BUNDLED_MODEL, mode="off")
     out = json.loads(r.stdout)
     assert out["tokens"] == plain_greedy(lm, lm.tokenizer.encode("def read_config(path):\n"), 48)
