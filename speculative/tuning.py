@@ -62,11 +62,17 @@ def expected_tokens_per_round(acceptance: Sequence[float], k: int) -> float:
     return 1.0 + sum(acceptance[:k])
 
 
+# Estimated speedups this close are one as far as a one-second timing can tell.
+SAME_WITHIN = 0.05
+
+
 def best_by_cost(costs: dict, acceptance: Sequence[float]) -> int:
-    """The depth maximising E(k) / (Tv(k)/T1 + k*Td/T1)."""
+    """The depth maximising E(k) / (Tv(k)/T1 + k*Td/T1), or the shallowest within SAME_WITHIN of it:
+    where the curve is flat, a shallower depth loses least if acceptance is lower than estimated."""
     t1, td = costs["T1"], costs["Td"]
     score = {k: expected_tokens_per_round(acceptance, k) / (tv / t1 + k * td / t1) for k, tv in costs["Tv"].items()}
-    return max(score, key=score.get)
+    top = max(score.values())
+    return min(k for k, v in score.items() if v >= (1 - SAME_WITHIN) * top)
 
 
 def resolve_depth(lm: LoadedModel, requested) -> int:

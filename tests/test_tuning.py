@@ -18,6 +18,8 @@ def test_best_by_cost_trades_acceptance_for_verify_cost():
     assert expected_tokens_per_round(acceptance, 3) == 1 + 0.9 + 0.8 + 0.7
     assert best_by_cost(cheap, acceptance) == 3  # 3.4/1.3 beats 2.7/1.2 and 3.5/1.4
     assert best_by_cost(dear, acceptance) == 1  # 1.9/1.3 beats 2.7/2.0
+    flat = {"T1": 1.0, "Td": 0.0, "Tv": {1: 1.0, 2: 1.38, 3: 1.8}}  # 1.9, 1.96, 1.89: within 5%
+    assert best_by_cost(flat, acceptance) == 1
 
 
 def test_tune_then_auto_uses_stored_depth(tiny_dir, tmp_path):
