@@ -223,7 +223,8 @@ class Speculator:
         mx.eval(n_acc, nxt, drafts)
         # The one host sync of the round: read everything now, while the stream is idle; a read
         # after the async_eval below would wait for that work to finish.
-        a, next_id, accepted = n_acc.item(), nxt.item(), drafts.tolist()[: n_acc.item()]
+        a, next_id = n_acc.item(), nxt.item()
+        accepted = drafts.tolist()[:a]
         rollback(self.trunk_cache, tapes, fed=k + 1, consumed=a + 1)
         for c in self.head_cache:  # drop the recursive rows: committed rows come from trunk hiddens
             c.trim(c.offset - cycle_start)

@@ -103,11 +103,9 @@ def measured_acceptance(lm: LoadedModel, prompt: Sequence[int], depth: int, toke
     (None when too few rounds to say): the head's own acceptance instead of the prior."""
     from .config import SamplingParams, SpecConfig
     from .engine import generate
-    from .events import Round
+    from .stats import GenerationStats
 
-    per_position, rounds = [0] * depth, 0
+    stats = GenerationStats()
     for event in generate(lm, list(prompt), SamplingParams(max_tokens=tokens), SpecConfig("mtp", depth)):
-        if isinstance(event, Round):
-            rounds += 1
-            event.tally(per_position)
-    return [c / rounds for c in per_position] if rounds >= 8 else None
+        stats.add(event)
+    return [c / stats.rounds for c in stats.accepted_per_position] if stats.rounds >= 8 else None

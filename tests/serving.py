@@ -56,22 +56,30 @@ def running_server(model_dir, spec: SpecConfig = SpecConfig(), decode_concurrenc
     worker = EngineWorker(lambda: (load_model(model_dir, mode=mode), spec), decode_concurrency=decode_concurrency)
     lm = worker.start()
     served = ServedModel(id=MODEL_ID, lm=lm, worker=worker, default_max_tokens=64, created=0)
+    with serving_in_thread(create_app(served, **app_kw)) as url:
+        yield Running(url, served)
+
+
+@contextmanager
+def serving_in_thread(app, lifespan: str = "off", start_timeout: float = 30):
+    """uvicorn serving `app` on a free 127.0.0.1 port in a thread; yields the base URL. On exit the
+    server stops and then the app's engine worker (thread joined, worker closed)."""
+    served = app.state.served
     sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(served, **app_kw), log_level="warning",
-                                           access_log=False, lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + start_timeout
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     try:
-        yield Running(f"http://127.0.0.1:{sock.getsockname()[1]}", served)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(15)
-        worker.close(15)
+        served.worker.close(15)
         sock.close()
-        assert not thread.is_alive() and not worker.alive()
+        assert not thread.is_alive() and not served.worker.alive()
 
 
 def detokenize(lm, tokens) -> str:

@@ -46,6 +46,12 @@ def fp32_trunk(lm, folder):
     lm.model.load_weights(list(lm.model.sanitize(weights).items()), strict=True)
 
 
+def clean_env(tmp_path, **extra):
+    """This environment without HF_/DYNO_ settings, with fresh Hub and Dyno caches under tmp_path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_"))}
+    return {**env, "HF_HUB_CACHE": str(tmp_path / "hf"), "DYNO_CACHE": str(tmp_path / "dyno"), **extra}
+
+
 def close(got, want):
     scale = np.abs(want).max()
     np.testing.assert_allclose(got, want, atol=TOLERANCE * scale, rtol=0)
@@ -113,9 +119,7 @@ def test_mlx_conversion_gets_its_head_back_from_the_hub(tmp_path):
 
     with FakeHub() as hub:
         hub.add("dyno-project/dyno-tiny", BUNDLED_MODEL)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_"))}
-        env.update(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "hf"), DYNO_CACHE=str(tmp_path / "dyno"),
-                   HF_HUB_DISABLE_TELEMETRY="1")
+        env = clean_env(tmp_path, HF_ENDPOINT=hub.url, HF_HUB_DISABLE_TELEMETRY="1")
         r = dyno(env, "generate", "--model", str(BUNDLED_MLX), "--prompt", PROMPT, "--max-tokens", "60",
                  "--speculative", "mtp", "--draft-depth", "3", "--temp", "0", "--json")
         assert r.returncode == 0, r.stderr
@@ -134,8 +138,7 @@ def test_generate_defaults_to_the_bundled_model(tmp_path):
     """`dyno generate` with no --model runs dyno-tiny offline, drafting, and prints the MTP line."""
     from test_heads import dyno
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_"))}
-    env.update(HF_HUB_OFFLINE="1", DYNO_CACHE=str(tmp_path / "dyno"), HF_HUB_CACHE=str(tmp_path / "hf"))
+    env = clean_env(tmp_path, HF_HUB_OFFLINE="1")
     # A fixed depth: `auto` is measured on this machine and may pick any depth (tested elsewhere).
     r = dyno(env, "generate", "--prompt", "def read_config(path):\n", "--max-tokens", "48", "--temp", "0",
              "--draft-depth", "2", "--json")

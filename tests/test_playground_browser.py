@@ -8,8 +8,6 @@ its trunk (tests/playground_models.py), so that drafts are really accepted eithe
 import os
 import re
 import shutil
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -36,10 +34,10 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def url(model_dir):
     """`python app.py`'s app (API + playground in front) on a free port, in this process."""
-    import uvicorn
+    from serving import serving_in_thread
 
     from dyno_ui.completions import ServedModel
-    from dyno_ui.serve import listen, make_app
+    from dyno_ui.serve import make_app
     from dyno_ui.worker import EngineWorker
     from speculative.config import SpecConfig
     from speculative.loader import load_model
@@ -47,19 +45,8 @@ def url(model_dir):
     worker = EngineWorker(lambda: (load_model(model_dir), SpecConfig("auto", 3)))
     lm = worker.start()
     served = ServedModel(id=lm.path.name, lm=lm, worker=worker, default_max_tokens=48, created=0)
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(make_app(served, ui_front=True), log_level="warning",
-                                          access_log=False, lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(15)
-    worker.close(15)
-    sock.close()
+    with serving_in_thread(make_app(served, ui_front=True), lifespan="on", start_timeout=60) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
