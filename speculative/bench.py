@@ -161,15 +161,22 @@ def _restore(cache, snap):
             c[0], c[1] = s
 
 
-def _time(fn, reps: int) -> float:
-    fn()
-    fn()  # warm-up twice: graph compile and allocation
-    samples = []
+def _interleaved(fns: Dict[str, object], reps: int) -> Dict[str, float]:
+    """Median seconds of each function, timed round-robin.
+
+    This machine's speed drifts by tens of percent within seconds; timing one function's reps
+    in a block and the next one's later would put that drift into their ratios (the bound).
+    """
+    for _ in range(2):  # warm-up: graph compile and allocation
+        for fn in fns.values():
+            fn()
+    samples = {name: [] for name in fns}
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], reps: int = 15) -> Dict[str, object]:
@@ -203,8 +210,9 @@ def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], re
         mx.eval(mx.argmax(target.lm_head(out[:, -1]), axis=-1))
         head_cache[0].trim(head_cache[0].offset - offset)
 
-    t1 = _time(step, reps)
-    return {"T1": t1, "Tv": {k: _time(verify(k), reps) for k in depths}, "Td": _time(draft, reps)}
+    fns = {"T1": step, "Td": draft, **{k: verify(k) for k in depths}}
+    t = _interleaved(fns, reps)
+    return {"T1": t["T1"], "Tv": {k: t[k] for k in depths}, "Td": t["Td"]}
 
 
 def speedup_bound(tokens_per_round: float, t1: float, tv: float, td: float, k: int) -> float:
