@@ -62,7 +62,7 @@ def expected_tokens_per_round(acceptance: Sequence[float], k: int) -> float:
     return 1.0 + sum(acceptance[:k])
 
 
-# Estimated speedups this close are one as far as a one-second timing can tell.
+# Estimated speedups this close are one as far as a timing of a few seconds can tell.
 SAME_WITHIN = 0.05
 
 
@@ -90,7 +90,7 @@ def resolve_depth(lm: LoadedModel, requested) -> int:
     # Open-ended code, so that a short greedy run does not stop at once (code is where MTP heads
     # are judged, and what `dyno bench`'s default suite measures).
     prompt = lm.tokenizer.encode(ESTIMATE_PROMPT) or [0]
-    costs = cost_model(lm, prompt, depths, reps=9)
+    costs = cost_model(lm, prompt, depths, reps=9, burst=2)  # about two seconds, once per model
     acceptance = measured_acceptance(lm, prompt, max(depths)) or [
         PRIOR_FIRST * PRIOR_DECAY**i for i in range(MAX_DRAFT_DEPTH)]
     depth = best_by_cost(costs, acceptance)

@@ -4,11 +4,14 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from speculative.bench import paired_benchmark, speedup_bound, summarize
+import mlx.core as mx
+
+from speculative.bench import _interleaved, paired_benchmark, speedup_bound, summarize
 from speculative.config import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,6 +21,23 @@ def test_speedup_bound_and_summary():
     # E = 3 tokens per round, verify costs 1.5 T1, two head steps of 0.05 T1: 3 / 1.6
     assert speedup_bound(3.0, t1=0.02, tv=0.03, td=0.001, k=2) == pytest.approx(1.875)
     assert summarize([1.0, 3.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+
+
+def test_cost_timings_are_round_robin_bursts():
+    """Each sample is a burst of back-to-back calls, and the functions take turns, so a machine
+    whose speed drifts biases none of them against another."""
+    calls = []
+
+    def builder(name, seconds):
+        def build():
+            calls.append(name)
+            time.sleep(seconds)
+            return mx.array(0)
+        return build
+
+    t = _interleaved({"a": builder("a", 0.01), "b": builder("b", 0.03)}, reps=3, burst=2)
+    assert calls == ["a", "b"] * 2 + ["a", "a", "b", "b"] * 3  # warm-up, then turns of bursts
+    assert 0.01 <= t["a"] < 0.016 and 0.03 <= t["b"] < 0.04  # seconds per call, not per burst
 
 
 def test_paired_benchmark_ratios_are_per_pair(tiny_lm):
