@@ -1,0 +1,85 @@
+"""Where the extra cost of verifying k drafts goes: Tv(k) - T1, split into matmuls, the Gated
+DeltaNet recurrence and the rest, on this machine's MLX backend.
+
+    python tools/profile_verify.py [--model assets/dyno-tiny] [--depth 3] [--reps 40]
+
+Every figure is a median of round-robin bursts (speculative.bench's timing). "Matmuls" times every
+nn.Linear of the model and the lm_head alone on inputs of 1 and k+1 rows; "recurrence" times the
+verify pass with the recurrence replaced by a stand-in of the same shapes that computes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from speculative import target as target_mod  # noqa: E402
+from speculative.bench import _interleaved, _restore, _snapshot  # noqa: E402
+from speculative.loader import load_model  # noqa: E402
+
+REAL_RECURRENCE = target_mod._recurrence_with_states
+
+
+def no_recurrence(q, k, v, a, b, layer, state):
+    """Same output shapes, no work: the verify pass without its recurrence."""
+    return mx.zeros(v.shape, v.dtype), [state] * q.shape[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="assets/dyno-tiny")
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=40)
+    args = ap.parse_args()
+
+    lm = load_model(args.model)
+    target = lm.target
+    cache = target.make_cache()
+    target.hidden(mx.arange(100, 400)[None], cache)
+    mx.eval([c.state for c in cache])
+    snap = _snapshot(cache)
+    rows = (1, args.depth + 1)
+
+    def verify(n, recurrence):
+        def build():
+            target_mod._recurrence_with_states = recurrence
+            try:
+                logits, _, tapes = target.verify(mx.full((1, n), 7), cache)
+            finally:
+                target_mod._recurrence_with_states = REAL_RECURRENCE
+            _restore(cache, snap)
+            return [mx.argmax(logits, -1)] + [t.states[-1] for t in tapes]
+        return build
+
+    linears = [m for _, m in lm.model.named_modules() if isinstance(m, nn.Linear)]
+    inputs = {n: [mx.random.normal((1, n, m.weight.shape[-1])).astype(mx.bfloat16) for m in linears] for n in rows}
+    hidden = {n: mx.random.normal((1, n, target.args.hidden_size)).astype(mx.bfloat16) for n in rows}
+    mx.eval(inputs, hidden)
+
+    def matmuls(n):
+        return lambda: [m(x) for m, x in zip(linears, inputs[n])] + [target.lm_head(hidden[n])]
+
+    builds = {}
+    for n in rows:
+        builds[("verify", n)] = verify(n, REAL_RECURRENCE)
+        builds[("no recurrence", n)] = verify(n, no_recurrence)
+        builds[("matmuls", n)] = matmuls(n)
+    t = {key: v * 1e3 for key, v in _interleaved(builds, args.reps).items()}
+    one, many = rows
+    extra = t[("verify", many)] - t[("verify", one)]
+    recurrence = (t[("verify", many)] - t[("no recurrence", many)]) - (t[("verify", one)] - t[("no recurrence", one)])
+    mm = t[("matmuls", many)] - t[("matmuls", one)]
+    print(f"{args.model}: 1-token pass {t[('verify', one)]:.2f} ms, {many}-token pass {t[('verify', many)]:.2f} ms "
+          f"({len(linears)} linear layers + lm_head, {mx.default_device()})")
+    print(f"Tv({args.depth}) - T1 = {extra:.2f} ms: matmuls {mm:.2f} ({mm / extra:.0%}), "
+          f"GDN recurrence {recurrence:.2f} ({recurrence / extra:.0%}), rest {extra - mm - recurrence:.2f}")
+    print(f"per extra token: {extra / args.depth / t[('verify', one)]:.2f} x T1")
+
+
+if __name__ == "__main__":
+    main()
