@@ -64,7 +64,7 @@ def assert_caches_equal(spec, trunk, head_cache):
                                         ("moe-fused", "per-step-states")])
 def test_rollback_matches_fresh_run(tiny_lm, monkeypatch, name, path):
     if path == "replay":  # the branch Metal takes: only the final state, replay on commit
-        monkeypatch.setattr(target_mod, "_kernel_path", lambda layer, q: True)
+        monkeypatch.setattr(target_mod, "_kernel_path", lambda layer: True)
     lm = tiny_lm(name)
     prompt = lm.tokenizer.encode("import os\nimport sys\n\n")
     reference = plain_greedy(lm, prompt, 80, stop_at_eos=False)

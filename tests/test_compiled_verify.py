@@ -1,0 +1,72 @@
+"""The verify pass runs each Gated DeltaNet decoder layer compiled only where that is bit-exact."""
+
+import mlx.core as mx
+import pytest
+
+import speculative.target as target_mod
+from speculative.target import Target
+
+
+def verify_twice(target, tokens, cache):
+    """The first call per token count probes; the second runs whichever path the probe chose."""
+    outs = []
+    for _ in range(2):
+        logits, hidden, tapes = target.verify(tokens, cache)
+        outs.append((logits, hidden, [t.states for t in tapes]))
+        for c in cache:  # rewind, so that both calls see the same context
+            if c.is_trimmable():
+                c.trim(tokens.shape[1])
+        for tape in tapes:
+            tape.cache[0], tape.cache[1] = tape.conv_input[:, : tape.conv_input.shape[1] - tokens.shape[1]], tape.state_before
+    return outs
+
+
+def plain_verify(lm, tokens, prompt):
+    """The same pass with compilation unavailable: every layer as plain ops."""
+    target = Target(lm.model)
+    target._exact = {key: False for key in ((i, tokens.shape[1]) for i in range(len(target.body.layers)))}
+    cache = target.make_cache()
+    target.hidden(prompt, cache)
+    logits, hidden, tapes = target.verify(tokens, cache)
+    return logits, hidden, [t.states for t in tapes]
+
+
+def assert_identical(got, want):
+    (gl, gh, gs), (wl, wh, ws) = got, want
+    assert mx.array_equal(gl, wl).item() and mx.array_equal(gh, wh).item()
+    assert all(mx.array_equal(a, b).item() for g, w in zip(gs, ws) for a, b in zip(g, w))
+
+
+@pytest.mark.parametrize("name", ["gqa4-gdn1to1", "moe-fused"])
+def test_compiled_layers_are_bit_identical_on_this_backend(tiny_lm, name):
+    lm = tiny_lm(name)
+    prompt = mx.array(lm.tokenizer.encode("import os\nimport sys\n"))[None]
+    tokens = mx.array([[5, 17, 42, 99]])
+    target = Target(lm.model)
+    cache = target.make_cache()
+    target.hidden(prompt, cache)
+    first, second = verify_twice(target, tokens, cache)
+    linear = [i for i, layer in enumerate(target.body.layers) if layer.is_linear]
+    assert target._exact == {(i, 4): True for i in linear}  # the probe found compile exact here
+    want = plain_verify(lm, tokens, prompt)
+    assert_identical(first, want)
+    assert_identical(second, want)  # the compiled pass
+
+
+def test_a_backend_where_compile_differs_keeps_the_plain_path(tiny_lm, monkeypatch):
+    lm = tiny_lm("gqa4-gdn1to1")
+
+    def inexact_compile(fn):  # stands for a backend whose fused kernels round differently
+        return lambda *args: [x + 1e-3 if x.dtype == mx.float32 else x for x in fn(*args)]
+
+    monkeypatch.setattr(target_mod.mx, "compile", inexact_compile)
+    prompt = mx.array(lm.tokenizer.encode("import os\nimport sys\n"))[None]
+    tokens = mx.array([[5, 17, 42]])
+    target = Target(lm.model)
+    cache = target.make_cache()
+    target.hidden(prompt, cache)
+    first, second = verify_twice(target, tokens, cache)
+    assert set(target._exact.values()) == {False}
+    want = plain_verify(lm, tokens, prompt)
+    assert_identical(first, want)
+    assert_identical(second, want)
