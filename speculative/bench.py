@@ -161,23 +161,29 @@ def _restore(cache, snap):
             c[0], c[1] = s
 
 
+def _queued(build, n: int) -> float:
+    """Seconds for n calls of `build` queued back to back, the last one waited for."""
+    start = time.perf_counter()
+    out = None
+    for _ in range(n):
+        out = build()
+        mx.async_eval(out)
+    mx.eval(out)
+    return time.perf_counter() - start
+
+
 def _per_call(build, burst: int) -> float:
     """Seconds per call of `build` run back to back the way a decoding loop runs it.
 
     mlx-lm's generate_step builds step n+1 while step n computes (async_eval); timing each call
     with a blocking eval would charge the graph building to the model and inflate T1 (by about
-    8% on this machine), so calls are queued like that and the burst is timed as a whole.
+    8% on this machine). A run of n queued calls still exposes its first build and last wait,
+    so the difference of runs of 2n and n calls is taken: the edges cancel.
     """
-    start = time.perf_counter()
-    out = None
-    for _ in range(burst):
-        out = build()
-        mx.async_eval(out)
-    mx.eval(out)
-    return (time.perf_counter() - start) / burst
+    return (_queued(build, 2 * burst) - _queued(build, burst)) / burst
 
 
-def _interleaved(builds: Dict[object, object], reps: int, burst: int = 4) -> Dict[object, float]:
+def _interleaved(builds: Dict[object, object], reps: int, burst: int = 2) -> Dict[object, float]:
     """Median seconds per call of each graph builder, timed round-robin.
 
     This machine's speed drifts by tens of percent within seconds; timing one function's reps
@@ -185,7 +191,7 @@ def _interleaved(builds: Dict[object, object], reps: int, burst: int = 4) -> Dic
     """
     for _ in range(2):  # warm-up: graph compile and allocation
         for build in builds.values():
-            _per_call(build, 1)
+            _queued(build, 1)
     samples = {name: [] for name in builds}
     for _ in range(reps):
         for name, build in builds.items():
@@ -194,7 +200,7 @@ def _interleaved(builds: Dict[object, object], reps: int, burst: int = 4) -> Dic
 
 
 def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], reps: int = 15,
-               burst: int = 4) -> Dict[str, object]:
+               burst: int = 2) -> Dict[str, object]:
     """Seconds per 1-token trunk step (T1), per k+1-token verify (Tv(k)) and per head step (Td).
 
     Each builder queues one call's graph and rewinds the caches, so back-to-back calls all

@@ -90,7 +90,7 @@ def resolve_depth(lm: LoadedModel, requested) -> int:
     # Open-ended code, so that a short greedy run does not stop at once (code is where MTP heads
     # are judged, and what `dyno bench`'s default suite measures).
     prompt = lm.tokenizer.encode(ESTIMATE_PROMPT) or [0]
-    costs = cost_model(lm, prompt, depths, reps=9, burst=2)  # about two seconds, once per model
+    costs = cost_model(lm, prompt, depths, reps=9, burst=1)  # about two seconds, once per model
     acceptance = measured_acceptance(lm, prompt, max(depths)) or [
         PRIOR_FIRST * PRIOR_DECAY**i for i in range(MAX_DRAFT_DEPTH)]
     depth = best_by_cost(costs, acceptance)
