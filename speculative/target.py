@@ -108,10 +108,15 @@ def _gdn_forward(layer, x: mx.array, mask, cache) -> Tuple[mx.array, GDNTape]:
         out, states = _recurrence_with_states(q, k, v, a, b, layer, state_before)
         final = states[-1]
         tape = GDNTape(cache, conv_input, state_before, states, None)
+    _advance(layer, cache, conv_input, final)
+    return _gdn_output(layer, out, z), tape
+
+
+def _advance(layer, cache, conv_input: mx.array, final: mx.array) -> None:
+    """Leave the layer's cache after every token of the pass: the last K-1 conv rows, the final state."""
     cache[0] = conv_input[:, -(layer.conv_kernel_size - 1) :, :]
     cache[1] = final
-    cache.advance(x.shape[1])
-    return _gdn_output(layer, out, z), tape
+    cache.advance(conv_input.shape[1] - (layer.conv_kernel_size - 1))
 
 
 class Target:
@@ -186,7 +191,5 @@ class Target:
         else:
             out = _linear_layer(layer, h, conv, state)
         h, conv_input, states = out[0], out[1], list(out[2:])
-        cache[0] = conv_input[:, -(gdn.conv_kernel_size - 1) :, :]
-        cache[1] = states[-1]
-        cache.advance(h.shape[1])
+        _advance(gdn, cache, conv_input, states[-1])
         return h, GDNTape(cache, conv_input, state, states, None)

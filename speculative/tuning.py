@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
+from .bench import cost_model, speedup_bound
 from .config import MAX_DRAFT_DEPTH
 from .heads import cache_root
 from .loader import LoadedModel
@@ -69,8 +70,8 @@ SAME_WITHIN = 0.05
 def best_by_cost(costs: dict, acceptance: Sequence[float]) -> int:
     """The depth maximising E(k) / (Tv(k)/T1 + k*Td/T1), or the shallowest within SAME_WITHIN of it:
     where the curve is flat, a shallower depth loses least if acceptance is lower than estimated."""
-    t1, td = costs["T1"], costs["Td"]
-    score = {k: expected_tokens_per_round(acceptance, k) / (tv / t1 + k * td / t1) for k, tv in costs["Tv"].items()}
+    score = {k: speedup_bound(expected_tokens_per_round(acceptance, k), costs["T1"], tv, costs["Td"], k)
+             for k, tv in costs["Tv"].items()}
     top = max(score.values())
     return min(k for k, v in score.items() if v >= (1 - SAME_WITHIN) * top)
 
@@ -84,8 +85,6 @@ def resolve_depth(lm: LoadedModel, requested) -> int:
     found = stored(lm)
     if found:
         return int(found["depth"])
-    from .bench import cost_model
-
     depths = list(range(1, 5))
     # Open-ended code, so that a short greedy run does not stop at once (code is where MTP heads
     # are judged, and what `dyno bench`'s default suite measures).

@@ -4,22 +4,19 @@ import mlx.core as mx
 import pytest
 
 import speculative.target as target_mod
+from speculative.bench import _restore, _snapshot
 from speculative.target import Target
 
 
 def verify_twice(target, tokens, cache):
     """The first call per token count probes; the second runs whichever path the probe chose."""
-    outs = []
+    outs, snap = [], _snapshot(cache)
     for _ in range(2):
         logits, hidden, tapes = target.verify(tokens, cache)
         outs.append((logits, hidden, [t.states for t in tapes], [t.conv_input for t in tapes],
                      [x for c in cache for x in (c.state if c.is_trimmable() else c.cache)]))
         mx.eval(outs[-1])  # before the rewind below writes over the caches
-        for c in cache:  # rewind, so that both calls see the same context
-            if c.is_trimmable():
-                c.trim(tokens.shape[1])
-        for tape in tapes:
-            tape.cache[0], tape.cache[1] = tape.conv_input[:, : tape.conv_input.shape[1] - tokens.shape[1]], tape.state_before
+        _restore(cache, snap)  # so that both calls see the same context
     return outs
 
 
