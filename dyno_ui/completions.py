@@ -6,7 +6,7 @@ same text.
 
 import asyncio
 from dataclasses import dataclass
-from typing import AsyncIterator, List, Sequence, Union
+from typing import AsyncIterator, List, Optional, Sequence, Union
 
 from pydantic import BaseModel
 
@@ -18,17 +18,16 @@ from .textstream import TextAssembler, initial_channel
 from .worker import EngineWorker, Failed, Finished, Job, TextDelta
 
 Output = Union[TextDelta, Finished, Failed]
+# Template arguments that would change what apply_chat_template returns (token ids) or how.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tokenize", "add_generation_prompt", "return_dict", "return_tensors", "padding",
+    "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
 
-def context_length(lm: LoadedModel) -> int:
-    """The longest sequence the model takes (max_position_embeddings)."""
-    text = lm.config.get("text_config", lm.config)
-    return int(text.get("max_position_embeddings") or lm.config.get("max_position_embeddings") or 2**31)
-
-
-def vocab_size(lm: LoadedModel) -> int:
-    text = lm.config.get("text_config", lm.config)
-    return int(text.get("vocab_size") or len(lm.tokenizer))
+def _one_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 @dataclass
@@ -40,8 +39,13 @@ class ServedModel:
     worker: EngineWorker
     default_max_tokens: int
     created: int
+    loading: Optional[str] = None  # the model being loaded in its place (the Models tab), if any
 
     def check_model(self, requested) -> None:
+        """A request may go ahead: no model is loading and it names this one (or none)."""
+        if self.loading is not None:
+            raise api.ApiError(503, f"model loading: {self.loading}; send the request again when it is "
+                                    f"loaded", code="model_loading", kind="server_error")
         if requested is not None and requested != self.id:
             raise api.ApiError(404, f"The model '{requested}' does not exist; this server serves "
                                     f"'{self.id}'", param="model", code="model_not_found")
@@ -49,39 +53,43 @@ class ServedModel:
     def chat_job(self, req: api.ChatCompletionRequest, sink) -> Job:
         """A job for a chat request: the tokenizer's chat template, reasoning split on."""
         self.check_model(req.model)
-        tok = self.lm.tokenizer
+        lm = self.lm  # one model for the whole request, even if another is being swapped in
+        tok = lm.tokenizer
         messages = [m.for_template() for m in req.messages]
+        kwargs = req.chat_template_kwargs or {}
+        if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs)):
+            raise api.ApiError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the server",
+                               param="chat_template_kwargs")
         try:
-            prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                             **(req.chat_template_kwargs or {}))
+            prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         except Exception as e:  # jinja errors, bad kwargs: the request's fault
-            raise api.ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        params = self._sampling(req, prompt, "messages")
+            raise api.ApiError(400, f"cannot apply the chat template: {_one_line(e)}", param="messages") from None
+        params = self._sampling(lm, req, prompt, "messages")
         text = TextAssembler(tok, req.stop_strings(), split_reasoning=True,
                              initial=initial_channel(tok, prompt))
-        return Job(list(prompt), params, text, sink)
+        return Job(list(prompt), params, text, sink, lm=lm)
 
     def completion_job(self, req: api.CompletionRequest, sink) -> Job:
         """A job for a raw-text (or token id) completion: no template, no reasoning split."""
         self.check_model(req.model)
+        lm = self.lm
         prompt = req.prompt_text_or_ids()
         if isinstance(prompt, str):
-            prompt = self.lm.tokenizer.encode(prompt)
-        elif any(not 0 <= t < vocab_size(self.lm) for t in prompt):
+            prompt = lm.tokenizer.encode(prompt)
+        elif any(not 0 <= t < lm.vocab_size for t in prompt):
             raise api.ApiError(400, "prompt: token ids must be in the vocabulary", param="prompt")
-        params = self._sampling(req, prompt, "prompt")
-        return Job(list(prompt), params, TextAssembler(self.lm.tokenizer, req.stop_strings()), sink)
+        params = self._sampling(lm, req, prompt, "prompt")
+        return Job(list(prompt), params, TextAssembler(lm.tokenizer, req.stop_strings()), sink, lm=lm)
 
-    def _sampling(self, req: api.SamplingFields, prompt: Sequence[int], field: str):
-        n, limit = len(prompt), context_length(self.lm)
+    def _sampling(self, lm: LoadedModel, req: api.SamplingFields, prompt: Sequence[int], field: str):
+        n, limit = len(prompt), lm.context_length
         if n == 0:
             raise api.ApiError(400, f"{field}: the prompt is empty", param=field)
         if n >= limit:
             raise api.ApiError(400, f"This model's maximum context length is {limit} tokens, but the "
                                     f"prompt has {n} tokens", param=field, code="context_length_exceeded")
         try:
-            return req.sampling(self.lm.generation_config, self.default_max_tokens, limit - n,
-                                vocab_size(self.lm))
+            return req.sampling(lm.generation_config, self.default_max_tokens, limit - n, lm.vocab_size)
         except DynoError as e:
             raise api.ApiError(400, e.message) from None
 
@@ -102,9 +110,7 @@ class JobStream:
             pass
 
     def submit(self, job: Job) -> "JobStream":
-        if not self.worker.alive():
-            raise api.ApiError(503, "the engine thread has stopped", kind="server_error")
-        self.job = self.worker.submit(job)
+        self.job = self.worker.submit(job)  # a stopped engine answers it with Failed at once
         return self
 
     async def __aiter__(self) -> AsyncIterator[Output]:
@@ -130,7 +136,7 @@ def _usage(done: Finished) -> api.Usage:
 
 
 def _failure(item: Failed) -> api.ApiError:
-    return api.ApiError(500, item.message, kind="server_error")
+    return api.ApiError(item.status, item.message, kind="server_error")
 
 
 async def chat_response(stream: JobStream, model: str) -> api.ChatCompletion:

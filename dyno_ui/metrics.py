@@ -33,7 +33,6 @@ class ServerMetrics:
     """A private registry (several servers can live in one process) plus JSON totals."""
 
     def __init__(self, draft_depth: Optional[int]):
-        self.draft_depth = draft_depth  # None when the server does not draft
         self.registry = r = CollectorRegistry()
         self.draft_tokens = Counter("mlx:draft_tokens", "Tokens drafted by the MTP head", registry=r)
         self.accepted_tokens = Counter("mlx:draft_tokens_accepted", "Drafted tokens the model accepted",
@@ -51,12 +50,18 @@ class ServerMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("mlx:time_to_first_token_seconds", "Arrival to first token",
                               buckets=TTFT_BUCKETS, registry=r)
-        for pos in range(1, (draft_depth or 0) + 1):
-            self.accepted_per_position.labels(position=str(pos))  # exported as 0 before any request
         self._lock = threading.Lock()
+        self.set_draft_depth(draft_depth)
         self._totals = GenerationStats(draft_depth=draft_depth)
         self._requests = {"stop": 0, "length": 0, "cancelled": 0, "failed": 0}
         self._prompt = self._cached = self._generated = 0
+
+    def set_draft_depth(self, draft_depth: Optional[int]) -> None:
+        """The depth requests are drafted at now (None: no drafting), e.g. after a model swap."""
+        with self._lock:
+            self.draft_depth = draft_depth
+        for pos in range(1, (draft_depth or 0) + 1):
+            self.accepted_per_position.labels(position=str(pos))  # exported as 0 before any request
 
     def record(self, outcome: Outcome) -> None:
         """Count one request (called on the engine thread)."""
@@ -74,14 +79,7 @@ class ServerMetrics:
         if outcome.ttft_s is not None:
             self.ttft.observe(outcome.ttft_s)
         with self._lock:
-            t = self._totals
-            t.rounds += s.rounds
-            t.draft_tokens += s.draft_tokens
-            t.accepted_tokens += s.accepted_tokens
-            per = t.accepted_per_position
-            per += [0] * (len(s.accepted_per_position) - len(per))
-            for i, n in enumerate(s.accepted_per_position):
-                per[i] += n
+            self._totals.merge(s)
             self._requests[outcome.finish_reason] = self._requests.get(outcome.finish_reason, 0) + 1
             self._prompt += outcome.prompt_tokens
             self._cached += outcome.cached_tokens

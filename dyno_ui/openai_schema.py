@@ -62,7 +62,7 @@ class SamplingFields(_Request):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1)  # -1 and 0 both mean "off" (vLLM and mlx-lm)
     min_p: Optional[float] = Field(None, ge=0, le=1)
-    seed: Optional[int] = Field(None, ge=0)
+    seed: Optional[int] = None  # any integer: reduced modulo 2**64, the range MLX's generator takes
     n: int = Field(1, ge=1, le=1)  # one choice per request
     stop: Optional[Union[str, List[str]]] = None
     stream: bool = False
@@ -129,9 +129,13 @@ class ChatMessage(_Request):
     reasoning_content: Optional[str] = None
 
     def for_template(self) -> dict:
-        """The message as chat templates expect it: content as one string."""
+        """The message as chat templates expect it: content as one string, `developer` as `system`
+        (newer OpenAI clients send it; Qwen templates know only system), reasoning kept for the template."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": content}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.reasoning_content is not None and self.role == "assistant":
+            message["reasoning_content"] = self.reasoning_content
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):

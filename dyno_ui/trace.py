@@ -4,10 +4,10 @@ The worker sends each engine event as `Traced` just before the text that event's
 so every piece of text is attributed to the provenance of the token that made it.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional
 
-from speculative.events import Done, Round, Token
+from speculative.events import Done, Provenance, Round, Token
 
 from .worker import Failed, Finished, TextDelta, Traced
 
@@ -48,7 +48,6 @@ class Trace:
     token_ids: List[int] = field(default_factory=list)
     token_times: List[float] = field(default_factory=list)
     rounds: List[RoundPoint] = field(default_factory=list)
-    accepted_per_position: List[int] = field(default_factory=list)
     done: Optional[Done] = None
     finish_reason: Optional[str] = None
     error: Optional[str] = None
@@ -71,11 +70,12 @@ class Trace:
             self._kind = event.provenance.value
             self.token_ids.append(event.id)
             self.token_times.append(at)
+            if event.provenance is Provenance.DRAFT:  # count what was delivered (a round may be cut short)
+                self.rounds[-1] = replace(self.rounds[-1], accepted=self.rounds[-1].accepted + 1)
         elif isinstance(event, Round):
             since = self._last_round_at or (self.token_times[-1] if self.token_times else at)
-            self.rounds.append(RoundPoint(event.drafted, event.accepted, at - since))
+            self.rounds.append(RoundPoint(event.drafted, 0, at - since))
             self._last_round_at = at
-            event.tally(self.accepted_per_position)
         elif isinstance(event, Done):
             self.done = event
 
@@ -108,6 +108,12 @@ class Trace:
     @property
     def tokens_per_round(self) -> Optional[float]:
         return (len(self.token_ids) - 1) / len(self.rounds) if self.rounds else None
+
+    @property
+    def accepted_per_position(self) -> List[int]:
+        """Delivered accepted drafts at each draft position (index i: position i + 1)."""
+        depth = max((r.drafted for r in self.rounds), default=0)
+        return [sum(1 for r in self.rounds if r.accepted > i) for i in range(depth)]
 
     def acceptance_by_position(self) -> List[float]:
         """Share of rounds whose draft at position i (1-based, index i-1) was accepted."""

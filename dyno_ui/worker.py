@@ -22,7 +22,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.sample_utils import make_sampler
 
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
@@ -30,12 +29,14 @@ from speculative.events import Done, Provenance, Token
 from speculative.loader import LoadedModel
 from speculative.prefix_cache import PrefixCache
 from speculative.processors import processors_for
+from speculative.sampling import plain_sampler
 from speculative.stats import GenerationStats
 
 from .metrics import Outcome, ServerMetrics
 from .textstream import TextAssembler
 
 log = logging.getLogger("dyno.serve")
+STOPPED = "the server is shutting down"
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,10 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    """The last output of a job the engine could not complete."""
+    """The last output of a job the engine could not complete; `status` is the HTTP status it maps to."""
 
     message: str
+    status: int = 500
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,8 @@ class Job:
     stats: GenerationStats = field(default_factory=GenerationStats)
     spec: Optional[SpecConfig] = None  # None: the worker's; drafting still needs a head and serial mode
     trace: bool = False  # also send Traced engine events (before the text of each token)
+    lm: Optional[LoadedModel] = None  # the model the request was checked against; must be the one served
+    error: Optional[Exception] = None  # set when its sampler or processors raised inside a batch
 
     def cancel(self) -> None:
         """Ask the worker to stop this job at the next round (or drop it if it has not started)."""
@@ -121,6 +125,8 @@ class EngineWorker:
         self.metrics: Optional[ServerMetrics] = None  # made once the model says whether we draft
         self._ready = threading.Event()
         self._closing = threading.Event()  # stops the current generation at its next round
+        self._stopped = False  # set (under _submit_lock) once the thread no longer takes jobs
+        self._submit_lock = threading.Lock()
         self._load_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._main, name="dyno-engine", daemon=True)
 
@@ -143,14 +149,22 @@ class EngineWorker:
         return self._thread.is_alive()
 
     def submit(self, job: Job) -> Job:
-        """Queue `job`; its outputs arrive through job.sink."""
-        self.jobs.put(job)
+        """Queue `job`; its outputs arrive through job.sink (a Failed one at once if the engine has stopped)."""
+        with self._submit_lock:
+            if not self._stopped:
+                self.jobs.put(job)
+                return job
+        job.sink(Failed(STOPPED, 503))
         return job
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run `fn` on the engine thread after the jobs queued before it; its result arrives in the Future."""
         call = Call(fn)
-        self.jobs.put(call)
+        with self._submit_lock:
+            if not self._stopped:
+                self.jobs.put(call)
+                return call.future
+        call.future.set_exception(RuntimeError(STOPPED))
         return call.future
 
     def replace_model(self, load: Callable[[], Tuple[LoadedModel, SpecConfig]]) -> Future:
@@ -165,6 +179,7 @@ class EngineWorker:
             lm, spec = load()
             self.prefix_cache.clear()  # its entries belong to the old model
             self.lm, self.spec, self.eos = lm, spec, lm.eos_token_ids
+            self.metrics.set_draft_depth(spec.draft_depth if self.drafting else None)
             gc.collect()
             return lm
 
@@ -184,6 +199,7 @@ class EngineWorker:
             if self._load():
                 self._serve_serial() if self.concurrency == 1 else self._serve_batched()
         finally:
+            self._answer_queued()
             self.prefix_cache.clear()
             # MLX's rule for threads: free this thread's arrays and streams before it ends, or the
             # process may abort at exit ("terminate called without an active exception").
@@ -206,6 +222,20 @@ class EngineWorker:
         finally:
             self._ready.set()
 
+    def _answer_queued(self) -> None:
+        """Once the thread stops taking work: every job still queued gets an error, every call one too."""
+        with self._submit_lock:
+            self._stopped = True
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(job, Call):
+                job.future.set_exception(RuntimeError(STOPPED))
+            elif job is not None:
+                self._fail(job, STOPPED, 503)
+
     def _serve_serial(self) -> None:
         while (job := self.jobs.get()) is not None:
             if isinstance(job, Call):
@@ -216,13 +246,23 @@ class EngineWorker:
                 continue
             try:
                 self._run(job)
-            except Exception as e:  # the server keeps serving; the client gets one line
+            except Exception as e:  # this request fails alone: the thread, other jobs and cache entries live on
                 log.exception("generation failed")
-                self.prefix_cache.clear()  # its entries may be half-updated
-                self._fail(job, e)
+                self._fail(job, f"generation failed: {e}")
+            if self._closing.is_set():
+                break
+
+    def _stale(self, job: Job) -> bool:
+        """True (and the job failed) when the request was checked against a model no longer served."""
+        if job.lm is None or job.lm is self.lm:
+            return False
+        self._fail(job, "the model was replaced while this request waited; send it again", 503)
+        return True
 
     def _run(self, job: Job) -> None:
         """One request through the engine; stops between rounds when cancelled or a stop string hits."""
+        if self._stale(job):
+            return
         spec = job.spec or self.spec
         if spec.mode == "off" or self.lm.head is None:
             spec = SpecConfig("off", spec.draft_depth)
@@ -274,9 +314,10 @@ class EngineWorker:
         ))
         job.sink(Finished(reason, len(job.prompt), n, cached))
 
-    def _fail(self, job: Job, error: Exception) -> None:
-        self.metrics.record_failure()
-        job.sink(Failed(f"generation failed: {error}"))
+    def _fail(self, job: Job, message: str, status: int = 500) -> None:
+        if self.metrics is not None:
+            self.metrics.record_failure()
+        job.sink(Failed(message, status))
 
     # ---- batched mode ---------------------------------------------------------------------
 
@@ -294,24 +335,39 @@ class EngineWorker:
                 continue
             try:
                 responses = batch.next_generated()
-            except Exception as e:
+            except Exception as e:  # not attributable to one request: fail the batch, keep serving
                 log.exception("batched generation failed")
                 for job in active.values():
-                    self._fail(job, e)
+                    self._fail(job, f"generation failed: {e}")
                 active.clear()
                 batch = self._new_batch()
                 continue
             for r in responses:
                 job = active.get(r.uid)
-                if job is None:
+                if job is None or job.error is not None:
                     continue
-                job.stats.add(Token(r.token, Provenance.PLAIN))
-                self._on_token(job, r.token)
-                reason = r.finish_reason or ("stop" if job.text.stopped else None)
-                if reason is not None:
-                    if r.finish_reason is None:
-                        batch.remove([r.uid])
-                    self._finish_batched(active.pop(r.uid), reason)
+                try:
+                    self._deliver(batch, active, r)
+                except Exception as e:  # e.g. its detokenizer or sink: this request fails alone
+                    log.exception("a batched request failed")
+                    job.error = e
+            for uid, job in list(active.items()):  # its own sampler, processor or output raised
+                if job.error is not None:
+                    batch.remove([uid])
+                    self._fail(active.pop(uid), f"generation failed: {job.error}")
+        for job in active.values():  # closing: the jobs in flight end as cancelled
+            self._finish(job, "cancelled")
+
+    def _deliver(self, batch: BatchGenerator, active: Dict[int, Job], r) -> None:
+        """One batch response to its job: its token and text, and its end if it ended."""
+        job = active[r.uid]
+        job.stats.add(Token(r.token, Provenance.PLAIN))
+        self._on_token(job, r.token)
+        reason = r.finish_reason or ("stop" if job.text.stopped else None)
+        if reason is not None:
+            if r.finish_reason is None:
+                batch.remove([r.uid])
+            self._finish_batched(active.pop(r.uid), reason)
 
     def _new_batch(self) -> BatchGenerator:
         n = self.concurrency
@@ -334,16 +390,23 @@ class EngineWorker:
             if job.cancelled.is_set():
                 self._finish(job, "cancelled")
                 continue
+            if self._stale(job):
+                continue
             p = job.params
             if p.seed is not None:  # one RNG serves the whole batch: a seed orders it, no more
                 mx.random.seed(p.seed)
             job.stats = GenerationStats()
             job.started_at = time.perf_counter()
-            (uid,) = batch.insert(
-                [job.prompt], max_tokens=[p.max_tokens],
-                samplers=[make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)],
-                logits_processors=[processors_for(p)],
-            )
+            try:
+                (uid,) = batch.insert(
+                    [job.prompt], max_tokens=[p.max_tokens],
+                    samplers=[_guarded(plain_sampler(p, self.lm.vocab_size), job, _greedy_row)],
+                    logits_processors=[[_guarded(f, job, _unchanged) for f in processors_for(p)]],
+                )
+            except Exception as e:  # this request alone is refused; the batch goes on
+                log.exception("cannot add a request to the batch")
+                self._fail(job, f"generation failed: {e}")
+                continue
             active[uid] = job
 
     def _finish_batched(self, job: Job, reason: str) -> None:
@@ -351,3 +414,26 @@ class EngineWorker:
         first = job.first_token_at or now
         job.stats.add(Done(reason, len(job.prompt), len(job.stats.tokens), first - job.started_at, now - first))
         self._finish(job, reason)
+
+
+def _greedy_row(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+def _unchanged(_tokens: mx.array, logits: mx.array) -> mx.array:
+    return logits
+
+
+def _guarded(fn: Callable, job: Job, fallback: Callable) -> Callable:
+    """`fn` for one row of a batch: if it raises, the job records the error (it is failed after the
+    step) and the row gets `fallback`'s value, so the other rows' step goes on unharmed."""
+
+    def call(*args):
+        if job.error is None:
+            try:
+                return fn(*args)
+            except Exception as e:
+                job.error = e
+        return fallback(*args)
+
+    return call

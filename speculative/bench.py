@@ -12,12 +12,12 @@ from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler
 
 from .config import SamplingParams, SpecConfig
 from .engine import generate
-from .events import Done, Round, Token
 from .loader import LoadedModel
+from .sampling import plain_sampler
+from .stats import GenerationStats
 
 
 @dataclass
@@ -45,7 +45,7 @@ def run_mlx_lm(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams) -
     """The baseline: mlx-lm's own generate_step with mlx-lm's sampler, stopping at EOS."""
     if params.seed is not None:
         mx.random.seed(params.seed)
-    sampler = make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)
+    sampler = plain_sampler(params, lm.vocab_size)
     start = time.perf_counter()
     tokens, first, last = [], None, None
     for tok, _ in generate_step(mx.array(list(prompt)), lm.model, max_tokens=params.max_tokens, sampler=sampler):
@@ -58,20 +58,13 @@ def run_mlx_lm(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams) -
 
 
 def run_dyno(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams, spec: SpecConfig) -> Run:
-    """Dyno through its public generator, folding the events."""
-    run = Run([], 0.0, 0.0)
+    """Dyno through its public generator, folded by GenerationStats."""
+    stats = GenerationStats()
     for e in generate(lm, prompt, params, spec):
-        if isinstance(e, Token):
-            run.tokens.append(e.id)
-        elif isinstance(e, Round):
-            run.rounds += 1
-            run.drafted += e.drafted
-            run.accepted += e.accepted
-            e.tally(run.accepted_per_position)
-        elif isinstance(e, Done):
-            run.ttft_s = e.prefill_s
-            run.decode_tps = (e.generated_tokens - 1) / e.decode_s if e.decode_s > 0 else 0.0
-    return run
+        stats.add(e)
+    done = stats.done
+    return Run(stats.tokens, stats.decode_tokens_per_s or 0.0, done.prefill_s, stats.rounds,
+               stats.draft_tokens, stats.accepted_tokens, stats.accepted_per_position)
 
 
 def summarize(values: Sequence[float]) -> Dict[str, float]:

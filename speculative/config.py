@@ -10,6 +10,7 @@ MODES = ("auto", "mtp", "off")
 MAX_DRAFT_DEPTH = 8
 DEFAULT_DRAFT_DEPTH = 3
 PENALTY_CONTEXT = 20  # mlx-lm's default window for repetition/presence/frequency penalties
+SEED_RANGE = 2**64  # mx.random.seed and mx.random.key take an unsigned 64-bit integer
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     max_tokens: int = 256
-    seed: Optional[int] = None
+    seed: Optional[int] = None  # any integer; reduced modulo 2**64 (MLX's range), so equal seeds draw alike
     # Logits processors (mlx-lm's make_logits_processors): they depend only on the token prefix,
     # so the engine applies them to draft and target rows alike and drafting stays exact.
     logit_bias: Optional[Union[Mapping[int, float], Tuple[Tuple[int, float], ...]]] = None
@@ -69,8 +70,10 @@ class SamplingParams:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            bad(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.seed is not None:
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+                bad(f"seed must be an integer, got {self.seed!r}")
+            object.__setattr__(self, "seed", self.seed % SEED_RANGE)
 
     @property
     def greedy(self) -> bool:

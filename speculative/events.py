@@ -2,7 +2,6 @@
 
 import enum
 from dataclasses import dataclass
-from typing import List, Tuple
 
 
 class Provenance(enum.Enum):
@@ -27,21 +26,15 @@ class Token:
 
 @dataclass(frozen=True)
 class Round:
-    """One draft/verify cycle: `accepted` of `drafted` drafts kept (always a prefix)."""
+    """One draft/verify cycle: `accepted` of `drafted` drafts kept (always a prefix).
+
+    It comes before the round's tokens; a consumer that stops inside the round receives fewer
+    than `accepted` of its DRAFT tokens, so counts of what was delivered fold the tokens
+    (speculative.stats.GenerationStats), not this field.
+    """
 
     drafted: int
     accepted: int
-
-    @property
-    def accepted_positions(self) -> Tuple[int, ...]:
-        """1-based draft positions that were accepted."""
-        return tuple(range(1, self.accepted + 1))
-
-    def tally(self, per_position: List[int]) -> None:
-        """Add this round's accepted positions to per-position counts, growing them to its depth."""
-        per_position.extend([0] * (self.drafted - len(per_position)))
-        for pos in self.accepted_positions:
-            per_position[pos - 1] += 1
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,14 @@
-"""Folding an event stream into the numbers users see (CLI line, JSON, /stats)."""
+"""Folding an event stream into the numbers users see (CLI line, JSON, /stats, /metrics, bench).
+
+Acceptance counts what was delivered: a round cut short (EOS, max_tokens, a stop string, a
+cancel) drafted all its drafts but delivered only some of its accepted ones, so accepted drafts
+are counted from the DRAFT tokens themselves, each at its position within its round.
+"""
 
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from .events import Done, Round, Token
+from .events import Done, Provenance, Round, Token
 
 
 @dataclass
@@ -18,18 +23,37 @@ class GenerationStats:
     accepted_tokens: int = 0
     accepted_per_position: List[int] = field(default_factory=list)
     done: Optional[Done] = None
+    _position: int = 0  # drafts delivered so far in the current round
 
     def add(self, event) -> None:
         if isinstance(event, Token):
             self.tokens.append(event.id)
             self.provenance.append(event.provenance.public)
+            if event.provenance is Provenance.DRAFT:
+                self._count_accepted(self._position)
+                self._position += 1
         elif isinstance(event, Round):
             self.rounds += 1
             self.draft_tokens += event.drafted
-            self.accepted_tokens += event.accepted
-            event.tally(self.accepted_per_position)
+            self._position = 0
+            self._grow(event.drafted)
         elif isinstance(event, Done):
             self.done = event
+
+    def _grow(self, depth: int) -> None:
+        self.accepted_per_position.extend([0] * (depth - len(self.accepted_per_position)))
+
+    def _count_accepted(self, index: int, n: int = 1) -> None:
+        self._grow(index + 1)
+        self.accepted_per_position[index] += n
+        self.accepted_tokens += n
+
+    def merge(self, other: "GenerationStats") -> None:
+        """Add another generation's round and acceptance counts (not its tokens) to these."""
+        self.rounds += other.rounds
+        self.draft_tokens += other.draft_tokens
+        for i, n in enumerate(other.accepted_per_position):
+            self._count_accepted(i, n)
 
     @property
     def speculative(self) -> bool:
