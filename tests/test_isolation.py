@@ -207,3 +207,42 @@ def test_template_kwargs_that_change_the_result_are_refused(tiny_dir, kwargs):
                                                        "chat_template_kwargs": kwargs, "max_tokens": 2})
     assert r.status_code == 400
     assert r.json()["error"]["message"] == f"chat_template_kwargs: {next(iter(kwargs))!r} is set by the server"
+
+
+def test_a_model_load_while_requests_arrive_serves_each_with_one_model(tiny_dir, tiny_lm):
+    from dyno_ui.sessions import Sessions
+
+    old, new = tiny_lm("tied-gqa2"), tiny_lm("untied-mha")
+    ids = old.tokenizer.encode(PROMPT)  # both tiny models share the byte tokenizer
+    answers = {detokenize(lm, plain_greedy(lm, ids, 8)) for lm in (old, new)}
+    assert len(answers) == 2
+    with running_server(tiny_dir("tied-gqa2"), SpecConfig("auto", 7)) as server:  # auto never picks 7
+        stop = threading.Event()
+        replies = []
+
+        def client():
+            while not stop.is_set():
+                r = server.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+                replies.append((r.status_code, r.json()))
+
+        threads = [threading.Thread(target=client) for _ in range(2)]
+        for t in threads:
+            t.start()
+        loaded = Sessions(server.served).load(str(tiny_dir("untied-mha")), notify=lambda m: None).result(120)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        after = server.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+        depth = server.served.worker.spec.draft_depth
+        stats, metrics = server.stats(), server.metrics()
+    assert replies and server.served.lm is loaded
+    for status, body in replies:
+        if status == 200:
+            assert body["choices"][0]["text"] in answers
+        else:
+            assert status == 503 and body["error"]["code"] in ("model_loading", None), body
+    assert after.status_code == 200
+    assert after.json()["choices"][0]["text"] == detokenize(new, plain_greedy(new, ids, 8))
+    assert after.json()["model"] == loaded.path.name
+    assert depth != 7 and stats["speculative"]["draft_depth"] == depth
+    assert f"mlx:draft_tokens_accepted_per_position_total{{position={depth}}}" in metrics
