@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .errors import DynoError
-from .mtp import HeadWeights, read_checkpoint_head, read_head_folder, write_head_folder
-from .tensors import DTYPES, decode, read_tensors
+from .mtp import HeadWeights, norm_probe, read_checkpoint_head, read_head_folder, write_head_folder
+from .tensors import INDEX, check_table, decode, read_index
 
-INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PROMISE = "Set HF_HUB_OFFLINE=1 to prevent the download, or pass --mtp-head <folder>."
 MAX_CHAIN = 6  # base_model hops before giving up (fine-tune -> quantized -> ... -> original)
@@ -107,12 +106,7 @@ class Hub:
     def weight_map(self, repo: str, revision: Optional[str] = None) -> Optional[Dict[str, str]]:
         """Tensor name -> shard for `repo`, from its index (None when it has no index)."""
         path = self.file(repo, INDEX, revision)
-        if path is None:
-            return None
-        try:
-            return json.loads(path.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise DynoError(f"bad {INDEX} in {repo}: {_one_line(e)}") from None
+        return None if path is None else read_index(path)
 
     def ships_head(self, repo: str) -> bool:
         wm = self.weight_map(repo)
@@ -149,19 +143,25 @@ def find_base(model_folder: Path, config: dict, hub: Hub, mtp_base: Optional[str
 
 
 def extract_from_hf_cache(repo: str, hub: Hub) -> Optional[HeadWeights]:
-    """The head of a full checkpoint already in the local HF cache, reading only mtp.* tensors."""
+    """The head of a full checkpoint already in the local HF cache, reading only mtp.* tensors;
+    None when the cache lacks a file it needs (the caller downloads the head instead)."""
     index = hub.cached(repo, INDEX)
     if index is None:
         return None
-    folder = index.parent
-    weight_map = json.loads(index.read_text())["weight_map"]
-    shards = set(_mtp_names(weight_map).values())
-    if not shards or any(hub.cached(repo, s) is None for s in shards):
-        return None
-    head = read_checkpoint_head(folder)
+    try:
+        weight_map = read_index(index)
+        shards = set(_mtp_names(weight_map).values())
+        probe = norm_probe(weight_map)  # the conv1d shard decides the norm shift: it must be here too
+        needed = shards | ({probe[1]} if probe else set())
+        if not shards or any(hub.cached(repo, s) is None for s in needed):
+            return None
+        head = read_checkpoint_head(index.parent)
+    except DynoError as e:
+        raise DynoError(f"{e.message}; delete that file from the Hugging Face cache of {repo} to "
+                        f"download the head instead") from None
     if head is not None:
         head.source = f"{repo} (local Hugging Face cache)"
-        head.provenance["source"] = {"repo": repo, "revision": folder.name, "via": "hf-cache"}
+        head.provenance["source"] = {"repo": repo, "revision": index.parent.name, "via": "hf-cache"}
     return head
 
 
@@ -198,6 +198,9 @@ def download_head(repo: str, hub: Hub, revision: Optional[str] = None) -> HeadWe
     for shard in sorted(set(names.values())):
         url = hf_hub_url(repo, shard, revision=commit)
         base, table = _remote_header(session, url, headers)
+        absent = [n for n in names if names[n] == shard and n not in table]
+        if absent:
+            raise DynoError(f"{url} has no tensor {absent[0]}, which the {INDEX} of {repo} places there")
         plan[shard] = (url, base, {n: table[n] for n in names if names[n] == shard})
     total = sum(e["data_offsets"][1] - e["data_offsets"][0] for _, _, t in plan.values() for e in t.values())
     hub.notify(f"dyno: fetching the MTP head of {repo} ({total / 1e9:.2f} GB). {PROMISE}")
@@ -209,8 +212,7 @@ def download_head(repo: str, hub: Hub, revision: Optional[str] = None) -> HeadWe
                 raw = _get_range(session, url, headers, base + start, base + end, bar)
                 for name, s, e in parts:
                     chunk = raw[s - start : e - start]
-                    info = table[name]
-                    tensors[name] = _checked(decode(chunk, info["dtype"], info["shape"]), name, repo)
+                    tensors[name] = _checked(_decode(chunk, table[name], name, url), name, repo)
                     hashes[name] = hashlib.sha256(chunk).hexdigest()
     weights = HeadWeights(
         {k[len(_prefix(k)):]: v for k, v in tensors.items()}, norms_shifted=False,
@@ -225,6 +227,13 @@ def _prefix(name: str) -> str:
     from .mtp import CHECKPOINT_PREFIXES
 
     return next(p for p in CHECKPOINT_PREFIXES if name.startswith(p))
+
+
+def _decode(chunk: bytes, entry: dict, name: str, url: str):
+    try:
+        return decode(chunk, entry["dtype"], entry["shape"])
+    except DynoError as e:
+        raise DynoError(f"cannot read {name} from {url}: {e.message}") from None
 
 
 def _checked(arr, name: str, repo: str):
@@ -245,11 +254,7 @@ def _remote_header(session, url: str, headers: dict) -> Tuple[int, dict]:
         table = json.loads(_get_range(session, url, headers, 8, 8 + n))
     except ValueError:
         raise DynoError(f"corrupt safetensors header in {url}; run again to retry") from None
-    table.pop("__metadata__", None)
-    for name, entry in table.items():
-        if entry.get("dtype") not in DTYPES:
-            raise DynoError(f"unsupported dtype {entry.get('dtype')} for {name} in {url}")
-    return 8 + n, table
+    return 8 + n, check_table(table, url)
 
 
 def _get_range(session, url: str, headers: dict, start: int, end: int, bar=None) -> bytes:
@@ -282,6 +287,14 @@ def _offline_error(model_folder: Path, repos: List[str]) -> DynoError:
     )
 
 
+def read_cached_head(folder: Path) -> HeadWeights:
+    """A head from the Dyno cache; a broken one names the folder to delete (it is fetched again)."""
+    try:
+        return read_head_folder(folder)
+    except DynoError as e:
+        raise DynoError(f"{e.message}; delete {folder} to fetch the head again") from None
+
+
 def resolve_head(model_folder: Path, config: dict, notify: Notify, mtp_head: Optional[str] = None,
                  mtp_base: Optional[str] = None) -> Optional[HeadWeights]:
     """The head for a model, or None; caches what it extracts or downloads."""
@@ -298,7 +311,7 @@ def resolve_head(model_folder: Path, config: dict, notify: Notify, mtp_head: Opt
         return None
     cached = cached_head_path(base)
     if cached.exists():
-        return read_head_folder(cached)
+        return read_cached_head(cached)
     head = extract_from_hf_cache(base, hub)
     if head is None:
         if offline():

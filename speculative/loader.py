@@ -34,6 +34,21 @@ class LoadedModel:
     generation_config: dict = field(default_factory=dict)
 
     @property
+    def text_config(self) -> dict:
+        return self.config.get("text_config", self.config)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits (the config's vocab_size, else the tokenizer's length)."""
+        return int(self.text_config.get("vocab_size") or len(self.tokenizer))
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model takes (max_position_embeddings)."""
+        return int(self.text_config.get("max_position_embeddings")
+                   or self.config.get("max_position_embeddings") or 2**31)
+
+    @property
     def eos_token_ids(self) -> set:
         ids = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
         gen = self.generation_config.get("eos_token_id")
@@ -106,28 +121,47 @@ def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_bas
 
 
 def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: Optional[str], note) -> None:
-    """Find the head (see heads.resolve_head), check it fits, build it."""
+    """Find the head (see heads.resolve_head), check it fits, build it; a head that cannot be
+    used is a notice in "auto" and one DynoError line in "mtp", never a traceback."""
     try:
-        weights = resolve_head(lm.path, lm.config, note, mtp_head, mtp_base)
-        if weights is None:
-            if mode == "mtp":
-                raise DynoError(
-                    f"no MTP head for {lm.path}: the checkpoint has no mtp.* tensors and no base "
-                    f"model with a head was found; pass --mtp-head <folder>"
-                )
-            return
-        _check_vocab(lm, weights)
-        lm.head = build_head(lm.target.args, weights, lm.config.get("quantization"))
-        lm.head_source = weights.source
+        _find_and_build_head(lm, mode, mtp_head, mtp_base, note)
+        return
     except DynoError as e:
+        error = e
+    # Last resort: head files come from anywhere; a slip in reading one must cost drafting, not the model.
+    except Exception as e:
+        error = DynoError(f"cannot load the MTP head: {_cause(e)}")
+    if mode == "mtp":
+        raise error from None
+    note(f"dyno: decoding without drafts: {error.message}")
+
+
+def _find_and_build_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: Optional[str],
+                         note) -> None:
+    """Resolve the head, check it fits the trunk and set lm.head; raises DynoError when it cannot."""
+    weights = resolve_head(lm.path, lm.config, note, mtp_head, mtp_base)
+    if weights is None:
         if mode == "mtp":
-            raise
-        note(f"dyno: decoding without drafts: {e.message}")
+            raise DynoError(
+                f"no MTP head for {lm.path}: the checkpoint has no mtp.* tensors and no base "
+                f"model with a head was found; pass --mtp-head <folder>"
+            )
+        return
+    _check_vocab(lm, weights)
+    lm.head = build_head(lm.target.args, weights, lm.config.get("quantization"))
+    lm.head_source = weights.source
+
+
+def _cause(e: Exception) -> str:
+    """`KeyError: 'x'`: the exception's type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def _check_vocab(lm: LoadedModel, weights) -> None:
     """A standalone head records the vocabulary it was trained with; it must be the trunk's."""
-    text = weights.provenance.get("text_config") or {}
+    text = weights.provenance.get("text_config")
+    text = text if isinstance(text, dict) else {}
     want = lm.target.args.vocab_size
     if "vocab_size" in text and text["vocab_size"] != want:
         raise DynoError(

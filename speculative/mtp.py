@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .errors import DynoError
-from .tensors import checkpoint_files, read_tensors
+from .tensors import INDEX, checkpoint_files, read_header, read_tensors
 
 HEAD_FORMAT = "dyno-mtp-head"
 HEAD_FORMAT_VERSION = 1
@@ -95,14 +95,23 @@ def _strip(name: str) -> Optional[str]:
     return None
 
 
+def norm_probe(files: Dict[str, object]) -> Optional[Tuple[str, object]]:
+    """(name, file) of the tensor whose layout tells raw HF from MLX: the first conv1d weight."""
+    return next(((n, f) for n, f in files.items() if n.endswith("linear_attn.conv1d.weight")), None)
+
+
 def checkpoint_is_raw_hf(files: Dict[str, Path]) -> bool:
     """Provenance, not values: raw HF checkpoints keep conv1d weights as [C, 1, K] (K > 1)."""
-    from .tensors import read_header
-
-    for name, path in files.items():
-        if name.endswith("linear_attn.conv1d.weight"):
-            return read_header(path)[name]["shape"][-1] != 1
-    return False
+    probe = norm_probe(files)
+    if probe is None:
+        return False
+    name, path = probe
+    entry = read_header(path).get(name)
+    if entry is None:
+        raise DynoError(f"safetensors file {path} has no tensor {name}, which {INDEX} places there")
+    if len(entry["shape"]) != 3:  # [C, 1, K] raw, [C, K, 1] MLX: anything else is no conv1d weight
+        raise DynoError(f"{name} in {path} has shape {entry['shape']}, not a conv1d weight [C, 1, K]")
+    return entry["shape"][-1] != 1
 
 
 def read_checkpoint_head(folder: Path) -> Optional[HeadWeights]:
@@ -115,7 +124,12 @@ def read_checkpoint_head(folder: Path) -> Optional[HeadWeights]:
     tensors = {}
     for path in sorted(set(files[n] for n in names)):
         wanted = [n for n in names if files[n] == path]
-        for n, arr in read_tensors(path, wanted).items():
+        header = read_header(path)
+        absent = [n for n in wanted if n not in header]
+        if absent:
+            more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+            raise DynoError(f"safetensors file {path} has no tensor {absent[0]}{more}, which {INDEX} places there")
+        for n, arr in read_tensors(path, wanted, header).items():
             tensors[names[n]] = arr
     raw = checkpoint_is_raw_hf(files)
     # An MLX conversion that kept its head converted it along with the trunk (norms shifted).
@@ -133,25 +147,47 @@ def read_head_folder(folder: Path) -> HeadWeights:
         config = json.loads(config_path.read_text())
     except FileNotFoundError:
         raise DynoError(f"not an MTP head folder (no config.json): {folder}") from None
-    except (OSError, ValueError) as e:
-        raise DynoError(f"cannot read {config_path}: {e}") from None
-    if config.get("format") != HEAD_FORMAT:
+    except OSError as e:
+        raise DynoError(f"cannot read {config_path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise DynoError(f"{config_path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict) or config.get("format") != HEAD_FORMAT:
         raise DynoError(f"not an MTP head folder ({config_path} has no \"format\": \"{HEAD_FORMAT}\")")
+    problem = _head_config_problem(config)
+    if problem:
+        raise DynoError(f"MTP head config {config_path} {problem}")
     if not weights_path.exists():
         raise DynoError(f"MTP head folder {folder} has no {HEAD_WEIGHTS}")
-    from .tensors import read_header
-
-    raw = read_tensors(weights_path, read_header(weights_path).keys())
+    header = read_header(weights_path)
+    raw = read_tensors(weights_path, list(header), header)
     tensors = {(_strip(k) or k): v for k, v in raw.items()}
-    return HeadWeights(tensors, norms_shifted=bool(config["norms_shifted"]), source=str(folder),
-                       provenance=config)
+    return HeadWeights(tensors, norms_shifted=config["norms_shifted"], source=str(folder), provenance=config)
+
+
+def _head_config_problem(config: dict) -> Optional[str]:
+    """What is wrong with a head folder's config.json (format already checked), or None."""
+    version = config.get("format_version", HEAD_FORMAT_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool):
+        return f"has format_version {version!r}, not a whole number"
+    if version > HEAD_FORMAT_VERSION:
+        return f"has format_version {version}; this Dyno reads up to {HEAD_FORMAT_VERSION} (upgrade Dyno)"
+    # The shift must be known, never guessed from values (mtp-reference.md, norm convention).
+    if not isinstance(config.get("norms_shifted"), bool):
+        got = f", got {config['norms_shifted']!r}" if "norms_shifted" in config else ""
+        return f"lacks \"norms_shifted\": true or false (whether its norm weights include the +1){got}"
+    if not isinstance(config.get("text_config", {}), dict):
+        return "has a text_config that is not a JSON object"
+    return None
 
 
 def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra: dict = None) -> Path:
     """Write a standalone head folder atomically (temp folder, then rename); norms stored shifted."""
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    except OSError as e:
+        raise DynoError(f"cannot write the MTP head to {folder}: {e.strerror or e}") from None
     try:
         mx.save_safetensors(str(tmp / HEAD_WEIGHTS), {f"mtp.{k}": v for k, v in head.shifted().items()})
         config = {
@@ -169,6 +205,9 @@ def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra:
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
+    except (OSError, RuntimeError) as e:  # RuntimeError: mx.save_safetensors failing to write
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DynoError(f"cannot write the MTP head to {folder}: {getattr(e, 'strerror', None) or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -184,12 +223,15 @@ def sanitize_moe(tensors: Dict[str, mx.array], quantization: Optional[dict] = No
     Fused: experts.gate_up_proj [E, 2I, H] (gate is the first half of dim -2, no transpose) and
     experts.down_proj [E, H, I]. One by one: experts.{e}.{gate,up,down}_proj.*, stacked; quantized
     ones are dequantized, since a quantized MoE head is reported to collapse acceptance.
+    Raises ValueError on a layout that cannot be stacked or split.
     """
     out, per_expert = {}, {}
     for name, v in tensors.items():
         if m := _EXPERT_RE.match(name):
             per_expert.setdefault((m.group(1), m.group(3), m.group(4)), {})[int(m.group(2))] = v
         elif name.endswith(".experts.gate_up_proj"):
+            if v.ndim != 3:
+                raise ValueError(f"mtp.{name} has shape {list(v.shape)}, not [experts, 2 x intermediate, hidden]")
             prefix, mid = name[: -len(".experts.gate_up_proj")], v.shape[-2] // 2
             out[f"{prefix}.switch_mlp.gate_proj.weight"] = v[..., :mid, :]
             out[f"{prefix}.switch_mlp.up_proj.weight"] = v[..., mid:, :]
@@ -197,10 +239,14 @@ def sanitize_moe(tensors: Dict[str, mx.array], quantization: Optional[dict] = No
             out[f"{name[: -len('.experts.down_proj')]}.switch_mlp.down_proj.weight"] = v
         else:
             out[name] = v
+    experts = {}  # prefix -> every expert index named under it: each projection needs them all
+    for (prefix, _, _), by_e in per_expert.items():
+        experts.setdefault(prefix, set()).update(by_e)
     for (prefix, proj, kind), by_e in per_expert.items():
         if kind != "weight":
             continue
-        stack = lambda k: mx.stack([per_expert[(prefix, proj, k)][e] for e in sorted(by_e)])
+        stack = lambda k: _stack_experts(per_expert[(prefix, proj, k)], sorted(experts[prefix]),
+                                         f"{prefix}.experts.*.{proj}_proj.{k}")
         w = stack("weight")
         if (prefix, proj, "scales") in per_expert:
             q = quantization or {"group_size": 64, "bits": 4}
@@ -210,13 +256,26 @@ def sanitize_moe(tensors: Dict[str, mx.array], quantization: Optional[dict] = No
     return out
 
 
+def _stack_experts(by_expert: Dict[int, mx.array], experts: List[int], what: str) -> mx.array:
+    """One tensor per expert -> [E, ...]; every expert must be there, with the same shape."""
+    absent = [e for e in experts if e not in by_expert]
+    if absent:
+        raise ValueError(f"mtp.{what.replace('*', str(absent[0]))} is missing")
+    if len({tuple(by_expert[e].shape) for e in experts}) > 1:
+        raise ValueError(f"mtp.{what} differ in shape across experts")
+    return mx.stack([by_expert[e] for e in experts])
+
+
 def is_moe_head(tensors: Dict[str, mx.array]) -> bool:
     return any(".mlp.gate.weight" in k or ".experts." in k or ".switch_mlp." in k for k in tensors)
 
 
 def build_head(args, weights: HeadWeights, quantization: Optional[dict] = None) -> MTPHead:
-    """Make an MTPHead for a trunk with `args` and load `weights`, checking every shape."""
-    tensors = sanitize_moe(weights.shifted(), quantization)
+    """Make an MTPHead for a trunk with `args` and load `weights`, checking every shape and dtype."""
+    try:
+        tensors = sanitize_moe(weights.shifted(), quantization)
+    except ValueError as e:  # unstackable or unsplittable experts (mx.stack / mx.dequantize raise it too)
+        raise DynoError(f"MTP head in {weights.source} has malformed experts: {e}") from None
     trunk_moe = getattr(args, "num_experts", 0) > 0
     if is_moe_head(tensors) != trunk_moe:
         kinds = ("a mixture-of-experts", "a dense") if trunk_moe else ("a dense", "a mixture-of-experts")
@@ -225,6 +284,8 @@ def build_head(args, weights: HeadWeights, quantization: Optional[dict] = None) 
             f"but the head is {kinds[1]} head"
         )
     layer_ids = {int(m.group(1)) for k in tensors if (m := re.match(r"layers\.(\d+)\.", k))}
+    if layer_ids != set(range(len(layer_ids))):  # also stops a stray layers.99999 from building 10^5 layers
+        raise DynoError(f"MTP head in {weights.source} has layers {sorted(layer_ids)}, not numbered from 0")
     head = MTPHead(args, num_layers=max(layer_ids) + 1 if layer_ids else 1)
     if quantization and any(k.endswith(".scales") for k in tensors):  # a quantized dense layer
         nn.quantize(head, quantization["group_size"], quantization["bits"],
@@ -245,7 +306,29 @@ def build_head(args, weights: HeadWeights, quantization: Optional[dict] = None) 
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise DynoError(f"MTP head in {weights.source} has unexpected tensors: mtp.{unexpected[0]}")
+    _check_values(tensors, expected, weights.source)
     head.load_weights(list(tensors.items()), strict=True)
     head.eval()
     mx.eval(head.parameters())
     return head
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]  # mlx.core.bfloat16 -> bfloat16
+
+
+def _check_values(tensors: Dict[str, mx.array], expected: Dict[str, mx.array], source: str) -> None:
+    """Float where the module wants float (any width), packed ints where it is quantized, and
+    finite: a NaN draft distribution would break the lossless acceptance rule, not just acceptance."""
+    for name, want in sorted(expected.items()):
+        got, want_float = tensors[name].dtype, mx.issubdtype(want.dtype, mx.floating)
+        if got != want.dtype and not (want_float and mx.issubdtype(got, mx.floating)):
+            need = "a floating-point" if want_float else f"a {_dtype_name(want.dtype)}"
+            raise DynoError(f"MTP head in {source} has mtp.{name} in {_dtype_name(got)}; the model needs "
+                            f"{need} tensor")
+    floats = [n for n in sorted(expected) if mx.issubdtype(tensors[n].dtype, mx.floating)]
+    finite = mx.stack([mx.all(mx.isfinite(tensors[n])) for n in floats]).tolist() if floats else []
+    bad = [n for n, ok in zip(floats, finite) if not ok]
+    if bad:
+        raise DynoError(f"MTP head in {source} has non-finite values (NaN or inf) in mtp.{bad[0]}: "
+                        f"a corrupt file")

@@ -170,3 +170,63 @@ def test_head_pull_list_and_models(repos, hub, env, tmp_path):
     lines = {l.split()[0]: l for l in models.stdout.splitlines()[1:]}
     assert lines[str(repos["conversion"])].endswith("cached")
     assert lines[str(repos["original"])].endswith("in checkpoint")
+
+
+SHARDS = ("model-00001-of-00002.safetensors", SHARD)
+INDEX = "model.safetensors.index.json"
+
+
+def _snapshot(hf: Path, repo: str, commit: str) -> Path:
+    return hf / f"models--{repo.replace('/', '--')}" / "snapshots" / commit
+
+
+@pytest.mark.parametrize("missing", [0, 1], ids=["conv1d-shard", "mtp-shard"])
+def test_partial_hf_cache_falls_back_to_download(repos, hub, env, tmp_path, missing):
+    """A cached original lacking a shard extraction reads (the conv1d one decides the norm shift)
+    is passed over for the ranged download, and drafting stays exact."""
+    weight_map = json.loads((repos["original"] / INDEX).read_text())["weight_map"]
+    assert weight_map[next(n for n in weight_map if n.endswith("linear_attn.conv1d.weight"))] == SHARDS[0]
+    for repo in ("org/original", "org/finetune"):
+        _fill_hf_cache(tmp_path / "hf", repo, repos[repo.split("/")[1]], hub.repos[repo][1])
+    (_snapshot(tmp_path / "hf", "org/original", hub.repos["org/original"][1]) / SHARDS[missing]).unlink()
+    r = generate(env, repos["conversion"], "--speculative", "mtp")
+    assert r.returncode == 0, r.stderr
+    assert "dyno: fetching the MTP head of org/original" in r.stderr
+    out = json.loads(r.stdout)
+    lm = load_model(repos["conversion"], mode="off")
+    assert out["tokens"] == plain_greedy(lm, lm.tokenizer.encode(PROMPT), 40)
+    assert out["speculative"]["mode"] == "mtp"
+    config = json.loads((tmp_path / "dyno" / "mtp" / "org--original" / "config.json").read_text())
+    assert config["source"]["via"] == "download"
+    assert repos["head_bytes"] <= hub.body_bytes("org/original", SHARD)
+
+
+def test_truncated_shard_in_hf_cache_names_the_fix(repos, hub, env, tmp_path):
+    for repo in ("org/original", "org/finetune"):
+        _fill_hf_cache(tmp_path / "hf", repo, repos[repo.split("/")[1]], hub.repos[repo][1])
+    shard = _snapshot(tmp_path / "hf", "org/original", hub.repos["org/original"][1]) / SHARD
+    shard.write_bytes(shard.read_bytes()[:4])
+    r = generate(env, repos["conversion"], "--speculative", "mtp")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines() == [
+        f"dyno: error: safetensors file {shard} is truncated or not a safetensors file (4 bytes); delete that "
+        f"file from the Hugging Face cache of org/original to download the head instead"]
+    shard.unlink()  # the advice
+    again = generate(env, repos["conversion"], "--speculative", "mtp")
+    assert again.returncode == 0, again.stderr
+    assert "dyno: fetching the MTP head of org/original" in again.stderr
+
+
+def test_remote_shard_lacking_an_indexed_tensor(repos, hub, env, tmp_path):
+    liar = Path(shutil.copytree(repos["original"], tmp_path / "liar"))
+    index = json.loads((liar / INDEX).read_text())
+    index["weight_map"]["mtp.fc.weight"] = SHARDS[0]
+    (liar / INDEX).write_text(json.dumps(index))
+    hub.add("org/liar", liar)
+    url = f"{hub.url}/org/liar/resolve/{hub.repos['org/liar'][1]}/{SHARDS[0]}"
+    message = f"{url} has no tensor mtp.fc.weight, which the {INDEX} of org/liar places there"
+    r = generate(env, repos["conversion"], "--speculative", "mtp", "--mtp-base", "org/liar")
+    assert r.returncode == 2 and r.stderr.splitlines() == [f"dyno: error: {message}"]
+    auto = generate(env, repos["conversion"], "--mtp-base", "org/liar")
+    assert auto.returncode == 0 and auto.stderr.splitlines()[0] == f"dyno: decoding without drafts: {message}"
+    assert json.loads(auto.stdout)["speculative"]["mode"] is None
