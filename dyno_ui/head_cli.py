@@ -6,7 +6,7 @@ from pathlib import Path
 
 from speculative.errors import DynoError
 
-from .models import BUNDLED_MODEL
+from .models import local_folders
 
 
 def add_commands(sub) -> None:
@@ -90,8 +90,12 @@ def cmd_head_list(args) -> int:
         cfg_path = folder / "config.json"
         if folder.name.startswith(".") or not cfg_path.exists():
             continue  # a temp folder from an interrupted write is never listed, nor loaded
-        cfg = json.loads(cfg_path.read_text())
-        src = cfg.get("source", {})
+        cfg = _json_object(cfg_path)
+        if cfg is None:  # broken: listed with the fix that loading it would also name
+            rows.append((folder.name.replace("--", "/"), f"{_size(folder) / 1e6:.1f} MB", "unreadable",
+                         f"delete {folder} to fetch it again"))
+            continue
+        src = cfg["source"] if isinstance(cfg.get("source"), dict) else {}
         origin = src.get("repo") or src.get("from", "?")
         rev = (src.get("revision") or "")[:12]
         rows.append((cfg.get("base_model", folder.name.replace("--", "/")), f"{_size(folder) / 1e6:.1f} MB",
@@ -103,6 +107,15 @@ def cmd_head_list(args) -> int:
     _table(("BASE MODEL", "SIZE", "KIND", "SOURCE"), rows)
     print(f"({root})")
     return 0
+
+
+def _json_object(path: Path):
+    """The JSON object in `path`, or None when it is unreadable or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _table(header, rows) -> None:
@@ -142,16 +155,7 @@ def local_models(extra_folders=(), notify=_notify):
     """(folder, model_type, head status) of the bundled model, `extra_folders` and the Hugging Face cache."""
     from speculative import heads
 
-    folders = [BUNDLED_MODEL] + list(extra_folders)
-    try:
-        from huggingface_hub import scan_cache_dir
-
-        for repo in scan_cache_dir().repos:
-            if repo.repo_type == "model":
-                for rev in repo.revisions:
-                    folders.append(Path(rev.snapshot_path))
-    except Exception:
-        pass  # no Hugging Face cache yet
+    folders = local_folders(extra_folders)
     hub = heads.Hub(notify)
     rows = []
     for folder in folders:

@@ -1,7 +1,8 @@
-"""Where models are: the bundled default and user-given folders."""
+"""Where models are: the bundled default, user-given folders and the Hugging Face cache."""
 
 import os
 from pathlib import Path
+from typing import Iterable, List
 
 from speculative.errors import DynoError
 
@@ -17,3 +18,29 @@ def default_model() -> Path:
         raise DynoError(f"the bundled model is not installed at {BUNDLED_MODEL}; pass --model PATH "
                         f"or set DYNO_MODEL")
     return BUNDLED_MODEL
+
+
+def hf_cache_snapshots() -> List[Path]:
+    """Snapshot folders of the model repositories in the local Hugging Face cache (none when it is empty)."""
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        repos = scan_cache_dir().repos
+    except Exception:
+        return []  # no Hugging Face cache yet
+    return [Path(rev.snapshot_path) for repo in repos if repo.repo_type == "model" for rev in repo.revisions]
+
+
+def local_folders(extra: Iterable[Path] = ()) -> List[Path]:
+    """The bundled model, `extra` and the Hugging Face cache's snapshots, each folder once.
+
+    Folders are the same when their resolved paths are (`assets/dyno-tiny` typed into the playground
+    is the bundled model, not a second one); the first spelling seen is kept.
+    """
+    seen, out = set(), []
+    for folder in [BUNDLED_MODEL, *extra, *hf_cache_snapshots()]:
+        key = Path(folder).expanduser().resolve()
+        if key not in seen:
+            seen.add(key)
+            out.append(Path(folder))
+    return out

@@ -25,6 +25,17 @@ from .trace import Trace  # noqa: E402
 CSS = ASSETS / "dyno.css"
 UI_PATH = "/ui"
 REPLAY_MAX_S = 6.0  # a slow race is replayed faster, to last at most this long
+# Prompts the bundled dyno-tiny handles: it was trained on the standard library's source and on chat
+# turns asking for one of its functions or classes (tools/tiny_data.py), so code in, code out.
+EXAMPLES = [
+    "Write the Python function `join` from the `posixpath` module.",
+    "Implement `read_lines` in Python.",
+    "Show me a Python class named `Stack`.",
+    'def read_lines(path):\n    """Return the lines of the file at path."""',
+]
+BUNDLED_NOTE = ("The bundled model, dyno-tiny (5M parameters, trained on the Python standard library), continues "
+                "Python code; it is no assistant, so try the examples under the chat box. Real Qwen3.5 / 3.6 / 3.8 "
+                "models load from the Models tab.")
 
 
 def theme() -> gr.themes.Base:
@@ -63,14 +74,16 @@ def build(served: ServedModel) -> gr.Blocks:
     d = s.defaults()
     with gr.Blocks(title="Dyno playground", analytics_enabled=False) as ui:
         gr.HTML('<div class="dyno-header"><h1>Dyno</h1><span>exact MTP speculative decoding on MLX</span></div>')
+        gr.Markdown(BUNDLED_NOTE, elem_id="bundled-note", elem_classes="dyno-note")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
                 chat = _chat_tab(s, d)
             with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
                 _compare_tab(s, d, chat)
             with gr.Tab("Models", id="models", elem_id="tab-models"):
-                current = _models_tab(s, chat)
-        ui.load(s.describe, None, current)
+                models = _models_tab(s, chat)
+        ui.load(s.describe, None, models["current"])
+        ui.load(models["list"], None, models["table"])  # its own event: the table may wait for the engine
     return ui
 
 
@@ -96,9 +109,12 @@ def _chat_tab(s: Sessions, d) -> dict:
             chatbot = gr.Chatbot(height=360, buttons=["copy", "copy_all"], elem_id="chatbot",
                                  label="Conversation", feedback_options=None)
             with gr.Row():
-                message = gr.Textbox(placeholder="Ask something…", show_label=False, scale=5, lines=2,
-                                     elem_id="chat-input")
+                # lines=1 is what makes Enter submit (Shift+Enter adds a line); max_lines lets the box grow.
+                message = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter adds a line)", show_label=False,
+                                     scale=5, lines=1, max_lines=12, elem_id="chat-input")
                 send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+            gr.Examples(EXAMPLES, inputs=[message], label="Examples (what the bundled dyno-tiny is good at)",
+                        elem_id="chat-examples")
             with gr.Row():
                 stop = gr.Button("Stop", variant="stop", elem_id="stop-button", size="sm")
                 regen = gr.Button("Regenerate", elem_id="regenerate", size="sm")
@@ -183,7 +199,7 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
                 "and sampling; then replayed side by side on a shared timeline.")
     with gr.Row():
         prompt = gr.Textbox(label="Prompt", lines=2, scale=4, elem_id="compare-prompt",
-                            value="Write a Python function that checks whether a number is prime.")
+                            value=EXAMPLES[0])
         with gr.Column(scale=1, min_width=200):
             depth = gr.Slider(1, MAX_DRAFT_DEPTH, value=s.served.worker.spec.draft_depth, step=1, label="draft depth")
             go = gr.Button("Race", variant="primary", elem_id="compare-run")
@@ -241,7 +257,7 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
              concurrency_limit=None)
 
 
-def _models_tab(s: Sessions, chat: dict) -> gr.Markdown:
+def _models_tab(s: Sessions, chat: dict) -> dict:
     current = gr.Markdown(elem_id="current-model")
     with gr.Row():
         folder = gr.Textbox(label="Model folder (or pick one below)", scale=4, elem_id="model-folder")
@@ -253,8 +269,19 @@ def _models_tab(s: Sessions, chat: dict) -> gr.Markdown:
         fetch = gr.Button("Fetch head", elem_id="fetch-head")
     status = gr.Markdown(elem_id="models-status")
 
+    # The last listing, shown to every page that opens; Scan and Fetch read the disk (and maybe the
+    # Hub, for heads) again. Head checks run on the engine thread, so a page load should not repeat them.
+    listed: dict = {}
+
+    def rows(extra: Optional[str] = None) -> List[tuple]:
+        listed["rows"] = s.local_models([extra] if extra else [])
+        return listed["rows"]
+
+    def first_rows() -> List[tuple]:
+        return listed.get("rows") or rows()
+
     def scan(extra):
-        return s.local_models([extra] if extra else []), s.describe()
+        return rows(extra), s.describe()
 
     def wait(future, progress, what: str, notes: List[str]):
         s_start = time.perf_counter()
@@ -286,7 +313,7 @@ def _models_tab(s: Sessions, chat: dict) -> gr.Markdown:
         except DynoError as e:
             _fail(e)
         msg = f"{target} carries its own head." if base is None else f"Head of {base} cached in `{target}`."
-        return msg, s.local_models([path])
+        return msg, rows(path)
 
     refresh.click(scan, [folder], [table, current])
     def pick(evt: gr.SelectData):
@@ -296,7 +323,7 @@ def _models_tab(s: Sessions, chat: dict) -> gr.Markdown:
     load.click(do_load, [folder], [status, current, chat["temperature"], chat["top_p"], chat["top_k"],
                                   chat["min_p"], chat["depth"]])
     fetch.click(do_fetch, [folder], [status, table])
-    return current
+    return {"current": current, "table": table, "list": first_rows}
 
 
 def mount(app: FastAPI, served: ServedModel, path: str = UI_PATH) -> FastAPI:

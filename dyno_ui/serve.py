@@ -6,6 +6,7 @@ import socket
 import sys
 import threading
 import time
+from typing import List
 
 from speculative.config import SpecConfig
 from speculative.errors import DynoError
@@ -73,6 +74,22 @@ def make_app(served, ui: bool = True, ui_front: bool = False):
     return app
 
 
+def startup_lines(model_id: str, how: str, base: str, ui: bool, ui_front: bool) -> List[str]:
+    """What `run` prints once listening: the API base first, the playground (when served) last.
+
+    `python app.py` (`ui_front`) ends with Gradio's own line, the one people know to open; `dyno serve`
+    is an API server first, so its first line stays the API's.
+    """
+    lines = [f"dyno: serving {model_id} at {base}/v1 ({how})"]
+    if ui and ui_front:
+        lines.append(f"* Running on local URL:  {base}")
+    elif ui:
+        from .playground import UI_PATH  # already imported by make_app: gradio is loaded
+
+        lines.append(f"dyno: playground at {base}{UI_PATH}/")
+    return lines
+
+
 def _stop(*_):
     raise KeyboardInterrupt
 
@@ -116,10 +133,10 @@ def run(args) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     ui = not getattr(args, "no_ui", False) and worker.concurrency == 1
-    app = make_app(served, ui=ui, ui_front=getattr(args, "ui_front", False))
-    print(f"dyno: serving {served.id} at http://{shown}:{port}/v1 ({describe(worker)})", flush=True)
-    if ui:
-        print(f"dyno: playground at http://{shown}:{port}/ui", flush=True)
+    ui_front = ui and getattr(args, "ui_front", False)
+    app = make_app(served, ui=ui, ui_front=ui_front)
+    for line in startup_lines(served.id, describe(worker), f"http://{shown}:{port}", ui, ui_front):
+        print(line, flush=True)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))  # the per-request line, exactly
     log.addHandler(handler)

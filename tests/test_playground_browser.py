@@ -122,8 +122,54 @@ def test_stop_mid_generation_then_generate_again(page):
     assert "drafts accepted" in line
 
 
+def chat_box(page):
+    return page.locator("#chat-input textarea")
+
+
+def clear_chat(page) -> None:
+    page.locator("#clear").click()
+    page.wait_for_function("!(document.querySelector('#stats')?.innerText || '').includes('finished')")
+    chat_box(page).fill("")
+
+
+def test_shift_enter_adds_a_line_and_sends_nothing(page):
+    clear_chat(page)
+    chat_box(page).press_sequentially("first line")
+    chat_box(page).press("Shift+Enter")
+    chat_box(page).press_sequentially("second line")
+    page.wait_for_timeout(1500)  # time enough for a submit to have reached the server and the stats line
+    assert chat_box(page).input_value() == "first line\nsecond line"
+    assert "finished" not in stats_text(page) and "first line" not in page.locator("#chatbot").inner_text()
+    chat_box(page).fill("")
+
+
+def test_enter_sends_the_message(page):
+    set_number(page, "chat-max-tokens", 20)
+    clear_chat(page)
+    chat_box(page).press_sequentially("def fibonacci(n):")
+    chat_box(page).press("Enter")
+    wait_for_stats(page, r"finished: (length|stop)")
+    assert "def fibonacci(n):" in page.locator("#chatbot").inner_text()
+    assert page.locator("#answer .tok").count() > 0
+    assert chat_box(page).input_value() == ""  # sent, so the box is emptied
+
+
+def test_examples_fill_the_chat_box_and_the_note_names_the_models_tab(page):
+    from dyno_ui.playground import EXAMPLES
+
+    assert "Models tab" in page.locator("#bundled-note").inner_text()
+    clear_chat(page)
+    page.locator("#chat-examples").get_by_text(EXAMPLES[1], exact=True).click()
+    page.wait_for_function("document.querySelector('#chat-input textarea').value.length > 0")
+    assert chat_box(page).input_value() == EXAMPLES[1]
+    chat_box(page).fill("")
+
+
 def test_compare_race_is_identical_at_temperature_zero(page, shots):
+    from dyno_ui.playground import EXAMPLES
+
     page.get_by_role("tab", name="Compare").click()
+    assert page.locator("#compare-prompt textarea").input_value() == EXAMPLES[0]  # a prompt dyno-tiny handles
     page.locator("#compare-run").click()
     summary = wait_for_stats(page, r"identical output|outputs differ", "#compare-summary")
     assert "identical output" in summary, summary
@@ -133,11 +179,26 @@ def test_compare_race_is_identical_at_temperature_zero(page, shots):
     page.screenshot(path=str(shots / "compare.png"), full_page=True)
 
 
+def table_text(page) -> str:
+    return page.locator("#models-table").inner_text()
+
+
+def test_models_tab_opens_listing_the_bundled_model_once(page):
+    from dyno_ui.models import BUNDLED_MODEL
+
+    page.get_by_role("tab", name="Models").click()
+    if not (BUNDLED_MODEL / "config.json").exists():
+        pytest.skip("the bundled model is not installed")
+    page.wait_for_function("(document.querySelector('#models-table')?.innerText || '').includes('in checkpoint')")
+    assert table_text(page).count(str(BUNDLED_MODEL)) == 1, table_text(page)
+
+
 def test_models_tab_lists_and_loads(page, shots, model_dir):
     page.get_by_role("tab", name="Models").click()
     page.locator("#model-folder textarea, #model-folder input").first.fill(str(model_dir))
     page.get_by_role("button", name="Scan").click()
     page.wait_for_function("(document.querySelector('#models-table')?.innerText || '').includes('in checkpoint')")
+    assert table_text(page).count(str(model_dir)) == 1, table_text(page)  # typed in, and maybe bundled: once
     page.locator("#load-model").click()
     page.locator("#models-status").get_by_text(f"Loaded {model_dir.name}").wait_for()
     assert "MLX memory" in page.locator("#current-model").inner_text()
