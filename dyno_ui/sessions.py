@@ -14,7 +14,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 from speculative.config import SamplingParams, SpecConfig
 from speculative.errors import DynoError
 
-from .completions import ServedModel, context_length
+from .completions import ServedModel
 from .textstream import TextAssembler, initial_channel
 from .trace import Trace
 from .worker import Job
@@ -46,7 +46,7 @@ class Sessions:
 
     def params(self, temperature, top_p, top_k, min_p, max_tokens, seed, prompt_len: int) -> SamplingParams:
         """Validated sampling values from the sliders; max_tokens capped by the context left."""
-        room = context_length(self.lm) - prompt_len
+        room = self.lm.context_length - prompt_len
         if room < 1:
             raise DynoError(f"the conversation ({prompt_len} tokens) fills the model's context")
         seed = None if seed is None or seed == "" or int(seed) < 0 else int(seed)
@@ -76,7 +76,7 @@ class Sessions:
         inbox: "queue.Queue[object]" = queue.Queue()
         text = TextAssembler(self.lm.tokenizer, [], split_reasoning=True,
                              initial=initial_channel(self.lm.tokenizer, prompt))
-        job = Job(prompt, params, text, inbox.put, spec=spec, trace=True)
+        job = Job(prompt, params, text, inbox.put, spec=spec, trace=True, lm=self.lm)
         trace = Trace(job.submitted_at)
         if session is not None:
             self.running[session] = job
@@ -136,12 +136,20 @@ class Sessions:
             depth = resolve_depth(lm, "auto") if lm.head is not None else SpecConfig().draft_depth
             return lm, SpecConfig("auto", depth)
 
-        future = self.served.worker.replace_model(load)
+        # Until the swap, API requests get a 503 "model loading"; one checked against the old model
+        # but queued after the swap is failed by the worker (Job.lm), never served by the new one.
+        self.served.loading = folder.name
+        try:
+            future = self.served.worker.replace_model(load)
+        except BaseException:
+            self.served.loading = None
+            raise
 
-        def swapped(f):
+        def swapped(f):  # runs on the engine thread right after the swap, before the next job
             if f.exception() is None:
                 lm = f.result()
                 self.served.lm, self.served.id = lm, lm.path.name
+            self.served.loading = None
         future.add_done_callback(swapped)
         return future
 
