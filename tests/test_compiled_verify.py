@@ -1,11 +1,12 @@
 """The verify pass runs each Gated DeltaNet decoder layer compiled only where that is bit-exact."""
 
+from functools import partial
+
 import mlx.core as mx
 import pytest
 
-import speculative.target as target_mod
 from speculative.bench import _restore, _snapshot
-from speculative.target import Target
+from speculative.target import Target, _linear_layer
 
 
 def verify_twice(target, tokens, cache):
@@ -30,13 +31,19 @@ def plain_verify(lm, tokens, prompt):
             [x for c in cache for x in (c.state if c.is_trimmable() else c.cache)])
 
 
+def same(a, b) -> bool:
+    if not isinstance(a, mx.array):  # a cache's state may hold plain numbers too
+        return type(a) is type(b) and a == b
+    return a.dtype == b.dtype and mx.array_equal(a, b).item()  # array_equal alone ignores dtype
+
+
 def assert_identical(got, want):
     """Logits, hiddens, every per-step state, the conv inputs and every cache array, bit for bit."""
     (gl, gh, gs, gc, gk), (wl, wh, ws, wc, wk) = got, want
-    assert mx.array_equal(gl, wl).item() and mx.array_equal(gh, wh).item()
+    assert same(gl, wl) and same(gh, wh)
     assert [len(s) for s in gs] == [len(s) for s in ws] and len(gc) == len(wc) and len(gk) == len(wk)
-    assert all(mx.array_equal(a, b).item() for g, w in zip(gs, ws) for a, b in zip(g, w))
-    assert all(mx.array_equal(a, b).item() for a, b in zip(gc + gk, wc + wk))
+    assert all(same(a, b) for g, w in zip(gs, ws) for a, b in zip(g, w))
+    assert all(same(a, b) for a, b in zip(gc + gk, wc + wk))
 
 
 @pytest.mark.parametrize("name", ["gqa4-gdn1to1", "moe-fused"])
@@ -57,20 +64,53 @@ def test_compiled_layers_are_bit_identical_on_this_backend(tiny_lm, name):
     assert_identical(second, want)  # the compiled pass
 
 
-def test_a_backend_where_compile_differs_keeps_the_plain_path(tiny_lm, monkeypatch):
-    lm = tiny_lm("gqa4-gdn1to1")
-
-    def inexact_compile(fn, **kw):  # stands for a backend whose fused kernels round differently
-        return lambda *args: [x + 1e-3 if x.dtype == mx.float32 else x for x in fn(*args)]
-
-    monkeypatch.setattr(target_mod.mx, "compile", inexact_compile)
+def verify_against_plain(lm, compiler, calls):
+    """Verify each [1, T] token row in `calls` in turn (same context each time) through a Target
+    built with `compiler`; returns it with the last call's outputs and the plain pass's on that row."""
     prompt = mx.array(lm.tokenizer.encode("import os\nimport sys\n"))[None]
-    tokens = mx.array([[5, 17, 42]])
-    target = Target(lm.model)
+    target = Target(lm.model, compiler=compiler)
     cache = target.make_cache()
     target.hidden(prompt, cache)
-    first, second = verify_twice(target, tokens, cache)
+    for tokens in calls:
+        outs = verify_twice(target, tokens, cache)
+    return target, outs, plain_verify(lm, calls[-1], prompt)
+
+
+def test_a_backend_where_compile_differs_keeps_the_plain_path(tiny_lm):
+    def inexact(layer):  # stands for a backend whose fused kernels round differently on every input
+        plain = partial(_linear_layer, layer)
+        return lambda *args: [x + 1e-3 if x.dtype == mx.float32 else x for x in plain(*args)]
+
+    target, (first, second), want = verify_against_plain(tiny_lm("gqa4-gdn1to1"), inexact,
+                                                         [mx.array([[5, 17, 42]])])
+    assert target._exact and set(target._exact.values()) == {False}
+    assert_identical(first, want)
+    assert_identical(second, want)
+
+
+def off_on_varied_rows(layer):
+    """A compiled layer that is exact where every row of its input is the same and off by 1e-3
+    elsewhere: it passes a probe that looks only at the cost model's input (one token repeated,
+    identical rows at the first layer), not one that also tries inputs like real ones."""
+    plain = partial(_linear_layer, layer)
+
+    def call(h, conv, state):
+        out = plain(h, conv, state)
+        varied = mx.any(h != h[:, :1])  # adding an exact 0.0 leaves identical rows bit for bit
+        return (out[0] + mx.where(varied, 1e-3, 0.0).astype(out[0].dtype), *out[1:])
+
+    return call
+
+
+def test_the_probe_tries_inputs_like_real_ones_not_only_the_first(tiny_lm):
+    """First use with one token repeated (what the cost model verifies), then real drafts of the
+    same shape: the layer that is inexact only on varied rows is caught at first use everywhere,
+    the first layer included, and the real verify pass is the plain one bit for bit."""
+    lm = tiny_lm("gqa4-gdn1to1")
+    repeated, real = mx.full((1, 4), 7), mx.array([[5, 17, 42, 99]])
+    target, (first, second), want = verify_against_plain(lm, off_on_varied_rows, [repeated, real])
+    linear = [i for i, layer in enumerate(target.body.layers) if layer.is_linear]
+    assert sorted(key[0] for key in target._exact) == linear and linear[0] == 0
     assert set(target._exact.values()) == {False}
-    want = plain_verify(lm, tokens, prompt)
     assert_identical(first, want)
     assert_identical(second, want)

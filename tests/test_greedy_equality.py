@@ -1,4 +1,7 @@
-"""Speculative greedy output is mlx-lm's greedy output, token for token."""
+"""Speculative greedy output is mlx-lm's greedy output, token for token, and every round keeps
+exactly the drafts the greedy rule keeps: the longest prefix that agrees with plain greedy."""
+
+import random
 
 import pytest
 import mlx.core as mx
@@ -17,23 +20,62 @@ def run(lm, prompt, depth, n=200, prefill_step=2048, speculator=None):
     return [e for e in events if isinstance(e, Token)], [e for e in events if isinstance(e, Round)]
 
 
+def record_drafts(monkeypatch) -> list:
+    """The engine's [k] draft tokens, one array per round, recorded as Speculator._draft returns them."""
+    log, draft = [], Speculator._draft
+
+    def recording(self, k):
+        tokens, probs = draft(self, k)
+        log.append(tokens)
+        return tokens, probs
+
+    monkeypatch.setattr(Speculator, "_draft", recording)
+    return log
+
+
+def replay(drafts, reference, n):
+    """The greedy rule replayed by hand: per round, how many drafts it keeps (the leading ones equal
+    to plain greedy's `reference` at their positions), for rounds until `n` tokens are out."""
+    kept, out = [], 1  # the first token comes from prefill
+    for d in drafts:
+        if out >= n:
+            break
+        a = 0
+        while a < len(d) and d[a] == reference[out + a]:
+            a += 1
+        kept.append(a)
+        out += a + 1
+    return kept
+
+
+def provenance(kept, depth):
+    """Each token's provenance when the rounds keep `kept` drafts: the prefill token, then per round
+    its kept drafts and the correction (or, when all were kept, the bonus)."""
+    out = [Provenance.PLAIN]
+    for a in kept:
+        out += [Provenance.DRAFT] * a + [Provenance.BONUS if a == depth else Provenance.CORRECTION]
+    return out
+
+
 CASES = [(name, depth) for name in CONFIGS for depth in (1, 2, 3, 4, 5)
          if not (name.startswith("moe") and depth == 5)]  # MoE: depths 1..4
 
 
 @pytest.mark.parametrize("name, depth", CASES)
-def test_greedy_equals_mlx_lm(tiny_lm, name, depth):
+def test_greedy_equals_mlx_lm(tiny_lm, monkeypatch, name, depth):
     lm = tiny_lm(name)
     prompt = lm.tokenizer.encode(PROMPT)
+    drafts = record_drafts(monkeypatch)
     tokens, rounds = run(lm, prompt, depth)
-    assert len(tokens) == 200
-    assert [t.id for t in tokens] == plain_greedy(lm, prompt, 200)
-    # Every token after the first comes from a verified round (the last may be cut by max_tokens).
-    produced = sum(r.accepted + 1 for r in rounds)
-    assert len(tokens) - 1 <= produced < len(tokens) + depth
-    drafted = [t for t in tokens if t.provenance is Provenance.DRAFT]
-    assert len(drafted) <= sum(r.accepted for r in rounds)
-    assert all(r.drafted == depth for r in rounds)
+    reference = plain_greedy(lm, prompt, 200 + depth, stop_at_eos=False)  # the last round looks ahead
+    assert [t.id for t in tokens] == reference[:200]
+    # Exact accounting: one round per draft, each keeping what the rule replayed on its drafts keeps
+    # (an engine that threw away a draft greedy agrees with would still emit the same text).
+    drafts = [d.tolist() for d in drafts]
+    kept = replay(drafts, reference, 200)
+    assert len(drafts) == len(rounds) == len(kept) and all(len(d) == depth for d in drafts)
+    assert [(r.drafted, r.accepted) for r in rounds] == [(depth, a) for a in kept]
+    assert [t.provenance for t in tokens] == provenance(kept, depth)[:200]
 
 
 @pytest.mark.parametrize("depth", [2, 4])
@@ -56,38 +98,51 @@ def test_off_mode_is_plain_mlx_lm(tiny_lm):
 
 
 class ScriptedSpeculator(Speculator):
-    """Drafts from a known continuation: right (oracle) or always wrong (adversarial)."""
+    """Drafts from a known continuation, each draft right or off by one as `right()` says, so that
+    how many each round keeps is known before the trunk sees it: the leading run of right ones."""
 
-    def __init__(self, *args, reference, wrong=False, **kw):
+    def __init__(self, *args, reference, right, **kw):
         super().__init__(*args, **kw)
-        self.reference, self.wrong = reference, wrong
+        self.reference, self.right, self.script = reference, right, []
 
     def _draft(self, k):
         start = len(self.generated)
         ref = (self.reference + [0] * k)[start : start + k]
+        flags = [self.right() for _ in ref]
+        self.script.append(flags)
         vocab = self.target.args.vocab_size
-        return mx.array([(t + 1) % vocab if self.wrong else t for t in ref]), None
+        return mx.array([t if ok else (t + 1) % vocab for t, ok in zip(ref, flags)]), None
 
 
-@pytest.mark.parametrize("wrong", [False, True], ids=["oracle", "adversarial"])
-def test_oracle_accepts_all_adversary_none(tiny_lm, wrong):
+def leading_right(flags):
+    return next((i for i, ok in enumerate(flags) if not ok), len(flags))
+
+
+SCRIPTS = {"oracle": lambda rng: True, "adversarial": lambda rng: False,
+           "coin": lambda rng: rng.random() < 0.6}  # each draft right with probability 0.6
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripted_heads_keep_exactly_their_right_prefix(tiny_lm, script):
     lm = tiny_lm()
     prompt = lm.tokenizer.encode(PROMPT)
     reference = plain_greedy(lm, prompt, 121, stop_at_eos=False)
-    depth = 4
+    depth, rng = 4, random.Random(0)
     spec = ScriptedSpeculator(lm, SamplingParams(max_tokens=121), depth, 2048, reference=reference,
-                              wrong=wrong)
+                              right=lambda: SCRIPTS[script](rng))
     steps = spec.run(prompt)
     tokens, rounds = [], []
     while len(tokens) < 121:
         e = next(steps)
         (rounds if isinstance(e, Round) else tokens).append(e)
     assert [t.id for t in tokens[:121]] == reference
-    if wrong:
-        assert all(r.accepted == 0 for r in rounds)
-        assert {t.provenance for t in tokens[1:]} == {Provenance.CORRECTION}
-    else:
-        assert all(r.accepted == depth for r in rounds)
+    kept = [leading_right(flags) for flags in spec.script]
+    assert [(r.drafted, r.accepted) for r in rounds] == [(depth, a) for a in kept]
+    assert [t.provenance for t in tokens] == provenance(kept, depth)[: len(tokens)]
+    assert sum(a + 1 for a in kept[:-1]) + 1 < 121 <= sum(a + 1 for a in kept) + 1  # no round too many
+    if script == "oracle":
         assert len(rounds) == 24  # 1 prefill token + 24 rounds x (4 drafts + bonus) = 121
-        kinds = [t.provenance for t in tokens[1:6]]
-        assert kinds == [Provenance.DRAFT] * 4 + [Provenance.BONUS]
+    elif script == "adversarial":
+        assert len(rounds) == 120  # one correction per round
+    else:
+        assert set(kept) == {0, 1, 2, 3, 4}  # every acceptance length occurred

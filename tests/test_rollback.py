@@ -1,9 +1,8 @@
-"""After any round, every cache equals what a fresh sequential run over the committed tokens gives."""
+"""After any round, every cache is bit for bit what a fresh sequential run over the committed tokens gives."""
 
 import random
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import speculative.target as target_mod
@@ -27,37 +26,52 @@ class CoinFlipSpeculator(Speculator):
         return mx.array(out), None
 
 
-def fresh_caches(lm, tokens):
-    """Trunk and head caches from a plain sequential run: prompt chunk, then one token at a time."""
-    target, head = lm.target, lm.head
-    trunk, head_cache = target.make_cache(), head.make_cache()
-    consumed = tokens[:-1]  # the last token is pending: sampled but not yet fed
-    hiddens = [target.hidden(mx.array(consumed[:4])[None], trunk)]
-    for t in consumed[4:]:
-        hiddens.append(target.hidden(mx.array([[t]]), trunk))
-    hidden = mx.concatenate(hiddens, axis=1)
-    head(target.embed(mx.array(tokens[1:])[None]), hidden, head_cache)  # row p: (t_{p+1}, h_p)
-    return trunk, head_cache
+class FreshRun:
+    """The reference: plain sequential decoding of the committed tokens, as mlx-lm decodes (the
+    prompt but its last token in one chunk, then one token at a time), with the head's row p on
+    (t_{p+1}, h_p). It only ever moves forward, so nothing in it is rolled back."""
+
+    def __init__(self, lm, prompt):
+        self.target, self.head = lm.target, lm.head
+        self.trunk, self.head_cache = self.target.make_cache(), self.head.make_cache()
+        self.fed = list(prompt[:-1])
+        self.hiddens = [self.target.hidden(mx.array(self.fed)[None], self.trunk)]
+        self.head_rows = 0  # positions whose head row is in head_cache
+
+    def caches(self, tokens):
+        """Trunk and head caches over `tokens` (the last one pending: sampled, not yet fed)."""
+        for t in tokens[len(self.fed) : -1]:
+            self.hiddens.append(self.target.hidden(mx.array([[t]]), self.trunk))
+            self.fed.append(t)
+        hidden = mx.concatenate(self.hiddens, axis=1)
+        n = len(self.fed)
+        new = mx.array(tokens[self.head_rows + 1 : n + 1])[None]  # row p: (t_{p+1}, h_p)
+        self.head(self.target.embed(new), hidden[:, self.head_rows : n], self.head_cache)
+        self.head_rows = n
+        return self.trunk, self.head_cache
 
 
-def assert_close(a, b, what):
-    np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4, err_msg=what)
+def assert_same(got, want, what):
+    """Bit for bit: same dtype, same shape, every element equal."""
+    assert (got.dtype, got.shape) == (want.dtype, want.shape), what
+    assert mx.array_equal(got, want).item(), f"{what}: differs by up to {mx.abs(got - want).max().item():.3g}"
 
 
 def assert_caches_equal(spec, trunk, head_cache):
+    assert len(spec.trunk_cache) == len(trunk)
     for i, (got, want) in enumerate(zip(spec.trunk_cache, trunk)):
-        if hasattr(want, "offset"):  # attention KV
+        if hasattr(want, "offset"):  # attention KV: rows past the offset are free space
             assert got.offset == want.offset, f"layer {i} offset"
             n = want.offset
-            assert_close(got.keys[..., :n, :], want.keys[..., :n, :], f"layer {i} keys")
-            assert_close(got.values[..., :n, :], want.values[..., :n, :], f"layer {i} values")
+            assert_same(got.keys[..., :n, :], want.keys[..., :n, :], f"layer {i} keys")
+            assert_same(got.values[..., :n, :], want.values[..., :n, :], f"layer {i} values")
         else:  # Gated DeltaNet: conv window and recurrent state
-            assert_close(got[0], want[0], f"layer {i} conv state")
-            assert_close(got[1], want[1], f"layer {i} recurrent state")
+            assert_same(got[0], want[0], f"layer {i} conv state")
+            assert_same(got[1], want[1], f"layer {i} recurrent state")
     (got,), (want,) = spec.head_cache, head_cache
     assert got.offset == want.offset, "head offset"
-    assert_close(got.keys[..., : want.offset, :], want.keys[..., : want.offset, :], "head keys")
-    assert_close(got.values[..., : want.offset, :], want.values[..., : want.offset, :], "head values")
+    assert_same(got.keys[..., : want.offset, :], want.keys[..., : want.offset, :], "head keys")
+    assert_same(got.values[..., : want.offset, :], want.values[..., : want.offset, :], "head values")
 
 
 @pytest.mark.parametrize("name, path", [("gqa4-gdn1to1", "per-step-states"), ("gqa4-gdn1to1", "replay"),
@@ -72,10 +86,11 @@ def test_rollback_matches_fresh_run(tiny_lm, monkeypatch, name, path):
                               rng=random.Random(0))
     steps = spec.run(prompt)
     next(steps)  # the prefill token
+    fresh = FreshRun(lm, prompt)
     seen = set()
     while len(spec.generated) < 60:
         accepted, _ = spec._round()
         seen.add(len(accepted))
         assert spec.generated == reference[: len(spec.generated)]
-        assert_caches_equal(spec, *fresh_caches(lm, prompt + spec.generated))
+        assert_caches_equal(spec, *fresh.caches(prompt + spec.generated))
     assert seen == {0, 1, 2, 3}  # every rollback length was exercised

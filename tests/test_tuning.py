@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import plain_greedy
+from test_greedy_equality import record_drafts, replay
 from speculative.tuning import best_by_cost, expected_tokens_per_round
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +24,18 @@ def test_best_by_cost_trades_acceptance_for_verify_cost():
     assert best_by_cost(flat, acceptance) == 1
 
 
+def test_best_by_cost_charges_each_head_step_in_units_of_T1():
+    """E(k) / (Tv(k)/T1 + k*Td/T1) by hand: Tv/T1 = 1.1, 1.2, 1.3, 1.4 and E = 1.9, 2.7, 3.4, 3.5."""
+    acceptance = [0.9, 0.8, 0.7, 0.1]
+    tv = {1: 2.2, 2: 2.4, 3: 2.6, 4: 2.8}
+    # Td/T1 = 0.1: 1.9/1.2, 2.7/1.4, 3.4/1.6 = 2.125, 3.5/1.8; nothing else within 5% of 2.125.
+    assert best_by_cost({"T1": 2.0, "Td": 0.2, "Tv": tv}, acceptance) == 3
+    # Td/T1 = 0.3: 1.36, 2.7/1.8 = 1.5, 3.4/2.2 = 1.545, 1.35: 2 is within 5% of 3 and shallower.
+    assert best_by_cost({"T1": 2.0, "Td": 0.6, "Tv": tv}, acceptance) == 2
+    # Td/T1 = 1: 1.9/2.1 = 0.905, 2.7/3.2 = 0.844, 0.791, 0.648.
+    assert best_by_cost({"T1": 2.0, "Td": 2.0, "Tv": tv}, acceptance) == 1
+
+
 def test_tune_then_auto_uses_stored_depth(tiny_dir, tmp_path):
     env = dict(os.environ, DYNO_CACHE=str(tmp_path))
     run = lambda *a: subprocess.run([sys.executable, "-m", "dyno_ui", *a], capture_output=True, text=True,
@@ -36,14 +50,39 @@ def test_tune_then_auto_uses_stored_depth(tiny_dir, tmp_path):
     assert json.loads(out.stdout)["speculative"]["draft_depth"] == entry["depth"]
 
 
-def test_estimate_measures_the_heads_acceptance():
-    """`auto` without a stored tune weighs depths by the head's own acceptance on a short greedy run
-    (on the bundled model, whose head is trained), not by the prior."""
+def delivered_share(kept, n, depth):
+    """Per draft position, the share of rounds that delivered an accepted draft there, when the rounds
+    keep `kept` drafts and the run stops after `n` tokens (a round cut short delivers fewer)."""
+    counts, out = [0] * depth, 1
+    for a in kept:
+        for i in range(min(a, n - out)):
+            counts[i] += 1
+        out += a + 1
+    return [c / len(kept) for c in counts]
+
+
+def test_estimate_weighs_depths_by_the_heads_measured_acceptance(monkeypatch, tmp_path):
+    """`auto` without a stored tune (on the bundled model, whose head is trained) stores and uses the
+    head's own acceptance from a short greedy run: per position, the share of rounds that kept a draft
+    there, here replayed by hand from the drafts and plain greedy; the depth is best_by_cost on it."""
     from dyno_ui.models import BUNDLED_MODEL
     from speculative.loader import load_model
-    from speculative.tuning import ESTIMATE_PROMPT, measured_acceptance
+    from speculative.tuning import ESTIMATE_PROMPT, PRIOR_DECAY, PRIOR_FIRST, resolve_depth
 
     lm = load_model(BUNDLED_MODEL, mode="mtp")
-    acc = measured_acceptance(lm, lm.tokenizer.encode(ESTIMATE_PROMPT), 4)
-    assert len(acc) == 4 and acc[0] > 0.5
-    assert all(a >= b for a, b in zip(acc, acc[1:]))  # position i is kept only if i - 1 was
+    monkeypatch.setenv("DYNO_CACHE", str(tmp_path))
+    drafts = record_drafts(monkeypatch)
+    depth = resolve_depth(lm, "auto")
+    (entry,) = json.loads((tmp_path / "tune.json").read_text()).values()
+
+    prompt, tokens, k = lm.tokenizer.encode(ESTIMATE_PROMPT), 64, 4  # measured_acceptance's run
+    reference = plain_greedy(lm, prompt, tokens + k, stop_at_eos=False)
+    n = next((i + 1 for i, t in enumerate(reference[:tokens]) if t in lm.eos_token_ids), tokens)
+    kept = replay([d.tolist() for d in drafts], reference, n)
+    assert len(kept) == len(drafts) >= 8 and len(set(kept)) >= 3  # a profile that tells rules apart
+    want = delivered_share(kept, n, k)
+    assert want != [PRIOR_FIRST * PRIOR_DECAY**i for i in range(k)]
+    assert entry["source"] == "estimate" and entry["acceptance"] == want
+    costs = dict(entry["cost_model"], Tv={int(d): t for d, t in entry["cost_model"]["Tv"].items()})
+    assert sorted(costs["Tv"]) == [1, 2, 3, 4]
+    assert depth == entry["depth"] == best_by_cost(costs, want)
