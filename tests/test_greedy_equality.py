@@ -14,7 +14,7 @@ from speculative.events import Provenance, Round, Token
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 
 
-def run(lm, prompt, depth, n=200, prefill_step=2048, speculator=None):
+def run(lm, prompt, depth, n=200, prefill_step=2048):
     events = list(generate(lm, prompt, SamplingParams(max_tokens=n), SpecConfig("mtp", depth),
                            prefill_step=prefill_step))
     return [e for e in events if isinstance(e, Token)], [e for e in events if isinstance(e, Round)]
