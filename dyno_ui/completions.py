@@ -5,12 +5,13 @@ same text.
 """
 
 import asyncio
-from dataclasses import dataclass
-from typing import AsyncIterator, List, Optional, Sequence, Union
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator, List, Optional, Sequence, Tuple, Union
 
 from pydantic import BaseModel
 
-from speculative.errors import DynoError
+from speculative.errors import DynoError, one_line
 from speculative.loader import LoadedModel
 
 from . import openai_schema as api
@@ -19,15 +20,11 @@ from .worker import EngineWorker, Failed, Finished, Job, TextDelta
 
 Output = Union[TextDelta, Finished, Failed]
 # Template arguments that would change what apply_chat_template returns (token ids) or how.
+# `chat_template` too: a client's own Jinja template could run unbounded on the server.
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tokenize", "add_generation_prompt", "return_dict", "return_tensors", "padding",
+    "conversation", "chat_template", "tokenize", "add_generation_prompt", "return_dict", "return_tensors", "padding",
     "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
-
-
-def _one_line(e: Exception) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
 
 
 @dataclass
@@ -40,20 +37,29 @@ class ServedModel:
     default_max_tokens: int
     created: int
     loading: Optional[str] = None  # the model being loaded in its place (the Models tab), if any
+    _swap: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def check_model(self, requested) -> None:
-        """A request may go ahead: no model is loading and it names this one (or none)."""
+    def replace(self, lm: LoadedModel) -> None:
+        """Serve `lm` (named by its folder) from now on; the worker already runs it."""
+        with self._swap:
+            self.lm, self.id = lm, lm.path.name
+
+    def current(self, requested) -> Tuple[str, LoadedModel]:
+        """The model a request goes to: none loading, and it names this one (or none); id and model
+        are read together, so a request never names one model and gets another."""
         if self.loading is not None:
             raise api.ApiError(503, f"model loading: {self.loading}; send the request again when it is "
                                     f"loaded", code="model_loading", kind="server_error")
-        if requested is not None and requested != self.id:
+        with self._swap:
+            served_id, lm = self.id, self.lm
+        if requested is not None and requested != served_id:
             raise api.ApiError(404, f"The model '{requested}' does not exist; this server serves "
-                                    f"'{self.id}'", param="model", code="model_not_found")
+                                    f"'{served_id}'", param="model", code="model_not_found")
+        return served_id, lm
 
-    def chat_job(self, req: api.ChatCompletionRequest, sink) -> Job:
+    def chat_job(self, req: api.ChatCompletionRequest, sink) -> Tuple[str, Job]:
         """A job for a chat request: the tokenizer's chat template, reasoning split on."""
-        self.check_model(req.model)
-        lm = self.lm  # one model for the whole request, even if another is being swapped in
+        model_id, lm = self.current(req.model)  # one model for the whole request, even across a swap
         tok = lm.tokenizer
         messages = [m.for_template() for m in req.messages]
         kwargs = req.chat_template_kwargs or {}
@@ -63,23 +69,22 @@ class ServedModel:
         try:
             prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         except Exception as e:  # jinja errors, bad kwargs: the request's fault
-            raise api.ApiError(400, f"cannot apply the chat template: {_one_line(e)}", param="messages") from None
+            raise api.ApiError(400, f"cannot apply the chat template: {one_line(e)}", param="messages") from None
         params = self._sampling(lm, req, prompt, "messages")
         text = TextAssembler(tok, req.stop_strings(), split_reasoning=True,
                              initial=initial_channel(tok, prompt))
-        return Job(list(prompt), params, text, sink, lm=lm)
+        return model_id, Job(list(prompt), params, text, sink, lm=lm)
 
-    def completion_job(self, req: api.CompletionRequest, sink) -> Job:
+    def completion_job(self, req: api.CompletionRequest, sink) -> Tuple[str, Job]:
         """A job for a raw-text (or token id) completion: no template, no reasoning split."""
-        self.check_model(req.model)
-        lm = self.lm
+        model_id, lm = self.current(req.model)
         prompt = req.prompt_text_or_ids()
         if isinstance(prompt, str):
             prompt = lm.tokenizer.encode(prompt)
         elif any(not 0 <= t < lm.vocab_size for t in prompt):
             raise api.ApiError(400, "prompt: token ids must be in the vocabulary", param="prompt")
         params = self._sampling(lm, req, prompt, "prompt")
-        return Job(list(prompt), params, TextAssembler(lm.tokenizer, req.stop_strings()), sink, lm=lm)
+        return model_id, Job(list(prompt), params, TextAssembler(lm.tokenizer, req.stop_strings()), sink, lm=lm)
 
     def _sampling(self, lm: LoadedModel, req: api.SamplingFields, prompt: Sequence[int], field: str):
         n, limit = len(prompt), lm.context_length

@@ -124,13 +124,13 @@ def _table(header, rows) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
-def head_status(folder: Path, hub) -> str:
-    """in checkpoint / cached / fetchable / none."""
+def head_status(folder: Path, config: dict, hub) -> str:
+    """in checkpoint / cached / fetchable / none, from file names and headers only: no tensor is
+    read, so listing a cache of large models is quick and needs no MLX."""
     from speculative import heads
 
-    if heads.read_checkpoint_head(folder) is not None:
+    if heads.checkpoint_has_head(folder):
         return "in checkpoint"
-    config = json.loads((folder / "config.json").read_text())
     try:
         base = heads.find_base(folder, config, hub)
     except DynoError:
@@ -139,7 +139,7 @@ def head_status(folder: Path, hub) -> str:
         return "none"
     if heads.cached_head_path(base).exists():
         return "cached"
-    return "fetchable" if not heads.offline() or heads.extract_from_hf_cache(base, hub) else f"none (offline; base {base})"
+    return "fetchable" if not heads.offline() or heads.hf_cache_has_head(base, hub) else f"none (offline; base {base})"
 
 
 def cmd_models(args) -> int:
@@ -159,15 +159,13 @@ def local_models(extra_folders=(), notify=_notify):
     hub = heads.Hub(notify)
     rows = []
     for folder in folders:
-        cfg = folder / "config.json"
-        if not cfg.exists():
-            continue
-        model_type = json.loads(cfg.read_text()).get("model_type", "?")
-        if not model_type.startswith("qwen3_5"):
-            continue
+        config = _json_object(folder / "config.json")
+        model_type = config.get("model_type") if config else None
+        if not isinstance(model_type, str) or not model_type.startswith("qwen3_5"):
+            continue  # not a model folder, an unreadable config, or another family
         try:
-            status = head_status(folder, hub)
-        except DynoError as e:
+            status = head_status(folder, config, hub)
+        except DynoError as e:  # one broken folder is reported in its row, never the whole listing
             status = f"unknown ({e.message})"
         rows.append((str(folder), model_type, status))
     return rows

@@ -108,7 +108,7 @@ def _token_biases(logit_bias: Optional[Dict[str, float]], vocab: int) -> Optiona
         return None
     out = {}
     for key, bias in logit_bias.items():
-        if not key.strip().isdigit() or int(key) >= vocab:
+        if not (key.strip().isascii() and key.strip().isdigit()) or int(key) >= vocab:  # "²".isdigit()
             raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model (0..{vocab - 1})",
                            param="logit_bias")
         if not -100 <= bias <= 100:

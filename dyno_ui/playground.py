@@ -141,15 +141,16 @@ def _chat_tab(s: Sessions, d) -> dict:
 
     def run(history, system, thinking, mode, depth, values, request: Optional[gr.Request]):
         """Stream the assistant's reply to the last user message of `history`."""
+        lm = s.lm  # one model for the whole reply
         try:
-            prompt = s.chat_prompt(_template(history, system), thinking)
-            params = s.params(*values, prompt_len=len(prompt))
-            spec = s.spec(mode, depth)
+            prompt = s.chat_prompt(_template(history, system), thinking, lm)
+            params = s.params(*values, prompt_len=len(prompt), lm=lm)
+            spec = s.spec(mode, depth, lm)
         except DynoError as e:
             _fail(e)
         charted = 0.0
         trace = Trace(time.perf_counter())
-        for trace in s.stream(prompt, params, spec, _session(request)):
+        for trace in s.stream(prompt, params, spec, _session(request), lm):
             reply = {"role": "assistant", "content": trace.text(), "reasoning": trace.text("reasoning")}
             now = time.perf_counter()
             shown = history + [reply]
@@ -220,16 +221,17 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
         values = (temperature, top_p, top_k, min_p, max_tokens, seed)
         if not text.strip():
             raise gr.Error("Type a prompt first")
-        if s.lm.head is None:
-            raise gr.Error(f"{s.lm.path.name} has no MTP head: nothing to compare")
+        lm = s.lm  # one model for both runs
+        if lm.head is None:
+            raise gr.Error(f"{lm.path.name} has no MTP head: nothing to compare")
         try:
-            ids = s.chat_prompt([{"role": "user", "content": text}], False)
-            params = s.params(*values, prompt_len=len(ids))
+            ids = s.chat_prompt([{"role": "user", "content": text}], False, lm)
+            params = s.params(*values, prompt_len=len(ids), lm=lm)
         except DynoError as e:
             _fail(e)
         runs = {}
         for name, mode in (("mtp", "mtp"), ("plain", "off")):
-            for trace in s.stream(ids, params, s.spec(mode, depth), _session(request)):
+            for trace in s.stream(ids, params, s.spec(mode, depth, lm), _session(request), lm):
                 status = f'<div class="dyno-stats">running {name}: {len(trace.token_ids)} tokens…</div>'
                 yield status, gr.skip(), gr.skip(), gr.skip()
             if trace.finish_reason == "cancelled" or trace.error:

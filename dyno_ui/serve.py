@@ -90,6 +90,20 @@ def startup_lines(model_id: str, how: str, base: str, ui: bool, ui_front: bool) 
     return lines
 
 
+def server_for(config, worker):
+    """uvicorn's server, told to stop the engine as soon as it starts shutting down: queued requests
+    then get their 503 and generations end at their next round, within the grace period, instead
+    of having their connections dropped when it runs out."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            worker.begin_close()
+            await super().shutdown(sockets)
+
+    return Server(config)
+
+
 def _stop(*_):
     raise KeyboardInterrupt
 
@@ -148,7 +162,7 @@ def run(args) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _stop)  # uvicorn re-raises it after shutting down
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server_for(config, worker).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C (or SIGTERM) it shut down on
         pass
     finally:

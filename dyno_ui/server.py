@@ -4,6 +4,7 @@
 translate; requests become engine jobs in completions.py, and the engine runs on the worker.
 """
 
+import asyncio
 import json
 import logging
 from typing import Type, TypeVar
@@ -54,22 +55,25 @@ def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await read_request(request, api.ChatCompletionRequest, max_body_bytes)
+        # Templating and tokenizing run off the event loop: a long prompt must not stall other streams.
         stream = JobStream(served.worker)
-        stream.submit(served.chat_job(req, stream.sink))
+        model_id, job = await asyncio.to_thread(served.chat_job, req, stream.sink)
+        stream.submit(job)
         if req.stream:
-            events = completions.chat_events(stream, served.id, req.include_usage())
+            events = completions.chat_events(stream, model_id, req.include_usage())
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        return await completions.chat_response(stream, served.id)
+        return await completions.chat_response(stream, model_id)
 
     @app.post("/v1/completions")
     async def complete(request: Request):
         req = await read_request(request, api.CompletionRequest, max_body_bytes)
         stream = JobStream(served.worker)
-        stream.submit(served.completion_job(req, stream.sink))
+        model_id, job = await asyncio.to_thread(served.completion_job, req, stream.sink)
+        stream.submit(job)
         if req.stream:
-            events = completions.completion_events(stream, served.id, req.include_usage())
+            events = completions.completion_events(stream, model_id, req.include_usage())
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        return await completions.completion_response(stream, served.id)
+        return await completions.completion_response(stream, model_id)
 
     return app
 

@@ -44,25 +44,30 @@ class Sessions:
                                      max_tokens=self.served.default_max_tokens))
         return sampling_from(none, self.lm.generation_config)
 
-    def params(self, temperature, top_p, top_k, min_p, max_tokens, seed, prompt_len: int) -> SamplingParams:
+    # A callback reads `self.lm` once and passes it to each step (lm=...), so a model swapped in
+    # meanwhile never serves a prompt built for another; the worker fails such a job (Job.lm).
+
+    def params(self, temperature, top_p, top_k, min_p, max_tokens, seed, prompt_len: int,
+               lm=None) -> SamplingParams:
         """Validated sampling values from the sliders; max_tokens capped by the context left."""
-        room = self.lm.context_length - prompt_len
+        room = (lm or self.lm).context_length - prompt_len
         if room < 1:
             raise DynoError(f"the conversation ({prompt_len} tokens) fills the model's context")
         seed = None if seed is None or seed == "" or int(seed) < 0 else int(seed)
         return SamplingParams(float(temperature), float(top_p), int(top_k), float(min_p),
                               min(int(max_tokens), room), seed)
 
-    def spec(self, mode: str, depth) -> SpecConfig:
+    def spec(self, mode: str, depth, lm=None) -> SpecConfig:
         """The job's speculation; `mtp` on a model without a head is the user's error."""
-        if mode == "mtp" and self.lm.head is None:
-            raise DynoError(f"{self.lm.path.name} has no MTP head: choose auto or off, or fetch a head")
+        lm = lm or self.lm
+        if mode == "mtp" and lm.head is None:
+            raise DynoError(f"{lm.path.name} has no MTP head: choose auto or off, or fetch a head")
         return SpecConfig(mode, int(depth))
 
-    def chat_prompt(self, messages: Sequence[dict], thinking: bool) -> List[int]:
+    def chat_prompt(self, messages: Sequence[dict], thinking: bool, lm=None) -> List[int]:
         """Token ids of the conversation through the tokenizer's chat template."""
         try:
-            ids = self.lm.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+            ids = (lm or self.lm).tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
                                                         enable_thinking=bool(thinking))
         except Exception as e:
             raise DynoError(f"cannot apply the chat template: {e}") from None
@@ -71,12 +76,12 @@ class Sessions:
     # ---- generating ----------------------------------------------------------------------
 
     def stream(self, prompt: List[int], params: SamplingParams, spec: SpecConfig,
-               session: Optional[str]) -> Iterator[Trace]:
+               session: Optional[str], lm=None) -> Iterator[Trace]:
         """Run one traced job; yield its Trace every FRAME_S and once finished. Leaving early stops it."""
         inbox: "queue.Queue[object]" = queue.Queue()
-        text = TextAssembler(self.lm.tokenizer, [], split_reasoning=True,
-                             initial=initial_channel(self.lm.tokenizer, prompt))
-        job = Job(prompt, params, text, inbox.put, spec=spec, trace=True, lm=self.lm)
+        lm = lm or self.lm
+        text = TextAssembler(lm.tokenizer, [], split_reasoning=True, initial=initial_channel(lm.tokenizer, prompt))
+        job = Job(prompt, params, text, inbox.put, spec=spec, trace=True, lm=lm)
         trace = Trace(job.submitted_at)
         if session is not None:
             self.running[session] = job
@@ -118,11 +123,12 @@ class Sessions:
         return self.served.worker.call(fn).result(timeout)
 
     def local_models(self, folders: Sequence[str] = ()) -> List[tuple]:
-        """(folder, type, head status) rows, read on the engine thread (head checks read tensors)."""
+        """(folder, type, head status) rows; read here, not on the engine thread: the head checks read
+        only file names and headers, so listing never waits for (or holds up) a generation."""
         from .head_cli import local_models
 
         extra = [Path(f).expanduser() for f in folders if f]
-        return self.on_engine(lambda: local_models(extra, notify=lambda m: None))
+        return local_models(extra, notify=lambda m: None)
 
     def load(self, path: str, notify: Callable[[str], None]):
         """A Future of the model at `path` replacing the served one (loaded on the engine thread)."""
@@ -145,10 +151,9 @@ class Sessions:
             self.served.loading = None
             raise
 
-        def swapped(f):  # runs on the engine thread right after the swap, before the next job
+        def swapped(f):  # on the engine thread right after the swap (or here, if already swapped)
             if f.exception() is None:
-                lm = f.result()
-                self.served.lm, self.served.id = lm, lm.path.name
+                self.served.replace(f.result())
             self.served.loading = None
         future.add_done_callback(swapped)
         return future

@@ -25,6 +25,7 @@ from mlx_lm.generate import BatchGenerator
 
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
+from speculative.errors import one_line
 from speculative.events import Done, Provenance, Token
 from speculative.loader import LoadedModel
 from speculative.prefix_cache import PrefixCache
@@ -110,6 +111,13 @@ class Job:
         """Ask the worker to stop this job at the next round (or drop it if it has not started)."""
         self.cancelled.set()
 
+    def send(self, item) -> None:
+        """Pass one output to the handler; a handler that raises is logged and cannot hurt the engine."""
+        try:
+            self.sink(item)
+        except Exception:
+            log.exception("a request's handler failed")
+
 
 class EngineWorker:
     """Owns the model on its own thread and serves submitted jobs."""
@@ -123,6 +131,7 @@ class EngineWorker:
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.lm: Optional[LoadedModel] = None
         self.metrics: Optional[ServerMetrics] = None  # made once the model says whether we draft
+        self.running: Dict[int, Job] = {}  # jobs being generated (serial: at most one), by id
         self._ready = threading.Event()
         self._closing = threading.Event()  # stops the current generation at its next round
         self._stopped = False  # set (under _submit_lock) once the thread no longer takes jobs
@@ -154,7 +163,7 @@ class EngineWorker:
             if not self._stopped:
                 self.jobs.put(job)
                 return job
-        job.sink(Failed(STOPPED, 503))
+        job.send(Failed(STOPPED, 503))
         return job
 
     def call(self, fn: Callable[[], object]) -> Future:
@@ -185,10 +194,14 @@ class EngineWorker:
 
         return self.call(swap)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop at the next round of the current generation and wait for the thread."""
+    def begin_close(self) -> None:
+        """Stop at the next round of the current generation; queued jobs are then answered 503."""
         self._closing.set()
         self.jobs.put(None)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """begin_close, then wait for the thread."""
+        self.begin_close()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -199,6 +212,8 @@ class EngineWorker:
             if self._load():
                 self._serve_serial() if self.concurrency == 1 else self._serve_batched()
         finally:
+            for job in self.running.values():  # only if the loop itself died: no job goes unanswered
+                self._fail(job, "the engine stopped", 503)
             self._answer_queued()
             self.prefix_cache.clear()
             # MLX's rule for threads: free this thread's arrays and streams before it ends, or the
@@ -244,11 +259,13 @@ class EngineWorker:
             if job.cancelled.is_set():
                 self._finish(job, "cancelled")
                 continue
+            self.running[id(job)] = job
             try:
                 self._run(job)
             except Exception as e:  # this request fails alone: the thread, other jobs and cache entries live on
                 log.exception("generation failed")
-                self._fail(job, f"generation failed: {e}")
+                self._fail(job, failure(e))
+            del self.running[id(job)]
             if self._closing.is_set():
                 break
 
@@ -272,7 +289,7 @@ class EngineWorker:
         try:
             for event in events:
                 if job.trace:
-                    job.sink(Traced(event, time.perf_counter()))
+                    job.send(Traced(event, time.perf_counter()))
                 job.stats.add(event)
                 if isinstance(event, Token):
                     self._on_token(job, event.id)
@@ -285,7 +302,10 @@ class EngineWorker:
                     break
         finally:
             events.close()
-        self._finish(job, reason)
+        if reason == "cancelled" and self._closing.is_set() and not job.cancelled.is_set():
+            self._fail(job, STOPPED, 503)  # cut by shutdown, not by its client: say so, not a finish
+        else:
+            self._finish(job, reason)
 
     def _on_token(self, job: Job, token: int) -> None:
         job.first_token_at = job.first_token_at or time.perf_counter()
@@ -294,10 +314,13 @@ class EngineWorker:
 
     def _emit(self, job: Job, pieces) -> None:
         for channel, text in pieces:
-            job.sink(TextDelta(channel, text))
+            job.send(TextDelta(channel, text))
 
     def _finish(self, job: Job, reason: str) -> None:
-        """Flush held-back text, log the request's line, count it, and tell the handler."""
+        """Flush held-back text, log the request's line, count it, and tell the handler.
+
+        Counting comes after the last step that can raise, so a request is counted once: finished
+        here, or failed by the caller."""
         if reason != "cancelled":
             self._emit(job, job.text.finish())
             if job.text.stopped:  # the stop string was in text held back until now (partial UTF-8)
@@ -312,18 +335,18 @@ class EngineWorker:
             latency_s=now - job.submitted_at,
             ttft_s=None if job.first_token_at is None else job.first_token_at - job.submitted_at,
         ))
-        job.sink(Finished(reason, len(job.prompt), n, cached))
+        job.send(Finished(reason, len(job.prompt), n, cached))
 
     def _fail(self, job: Job, message: str, status: int = 500) -> None:
         if self.metrics is not None:
             self.metrics.record_failure()
-        job.sink(Failed(message, status))
+        job.send(Failed(message, status))
 
     # ---- batched mode ---------------------------------------------------------------------
 
     def _serve_batched(self) -> None:
         batch = self._new_batch()
-        active: Dict[int, Job] = {}
+        active: Dict[int, Job] = self.running  # by batch uid
         while True:
             if not self._admit(batch, active, wait=not active) or self._closing.is_set():
                 break
@@ -338,7 +361,7 @@ class EngineWorker:
             except Exception as e:  # not attributable to one request: fail the batch, keep serving
                 log.exception("batched generation failed")
                 for job in active.values():
-                    self._fail(job, f"generation failed: {e}")
+                    self._fail(job, failure(e))
                 active.clear()
                 batch = self._new_batch()
                 continue
@@ -354,9 +377,10 @@ class EngineWorker:
             for uid, job in list(active.items()):  # its own sampler, processor or output raised
                 if job.error is not None:
                     batch.remove([uid])
-                    self._fail(active.pop(uid), f"generation failed: {job.error}")
-        for job in active.values():  # closing: the jobs in flight end as cancelled
-            self._finish(job, "cancelled")
+                    self._fail(active.pop(uid), failure(job.error))
+        for job in active.values():  # closing: the jobs in flight are told so
+            self._fail(job, STOPPED, 503)
+        active.clear()
 
     def _deliver(self, batch: BatchGenerator, active: Dict[int, Job], r) -> None:
         """One batch response to its job: its token and text, and its end if it ended."""
@@ -367,7 +391,8 @@ class EngineWorker:
         if reason is not None:
             if r.finish_reason is None:
                 batch.remove([r.uid])
-            self._finish_batched(active.pop(r.uid), reason)
+            self._finish_batched(job, reason)
+            del active[r.uid]  # only once finished: if finishing raised, the caller fails it
 
     def _new_batch(self) -> BatchGenerator:
         n = self.concurrency
@@ -405,7 +430,7 @@ class EngineWorker:
                 )
             except Exception as e:  # this request alone is refused; the batch goes on
                 log.exception("cannot add a request to the batch")
-                self._fail(job, f"generation failed: {e}")
+                self._fail(job, failure(e))
                 continue
             active[uid] = job
 
@@ -414,6 +439,11 @@ class EngineWorker:
         first = job.first_token_at or now
         job.stats.add(Done(reason, len(job.prompt), len(job.stats.tokens), first - job.started_at, now - first))
         self._finish(job, reason)
+
+
+def failure(error: BaseException) -> str:
+    """The one line a client gets for an exception raised while serving its request."""
+    return f"generation failed: {one_line(error)}"
 
 
 def _greedy_row(logprobs: mx.array) -> mx.array:

@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .errors import DynoError
+from .errors import DynoError, one_line
 from .mtp import HeadWeights, norm_probe, read_checkpoint_head, read_head_folder, write_head_folder
-from .tensors import INDEX, check_table, decode, read_index
+from .tensors import INDEX, check_table, checkpoint_files, decode, read_index
 
 SINGLE = "model.safetensors"
 PROMISE = "Set HF_HUB_OFFLINE=1 to prevent the download, or pass --mtp-head <folder>."
@@ -101,7 +101,7 @@ class Hub:
         except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
             return None
         except Exception as e:
-            raise DynoError(f"cannot reach the Hub for {repo}/{filename}: {_one_line(e)}") from None
+            raise DynoError(f"cannot reach the Hub for {repo}/{filename}: {one_line(e)}") from None
 
     def weight_map(self, repo: str, revision: Optional[str] = None) -> Optional[Dict[str, str]]:
         """Tensor name -> shard for `repo`, from its index (None when it has no index)."""
@@ -111,11 +111,6 @@ class Hub:
     def ships_head(self, repo: str) -> bool:
         wm = self.weight_map(repo)
         return bool(wm and _mtp_names(wm))
-
-
-def _one_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def find_base(model_folder: Path, config: dict, hub: Hub, mtp_base: Optional[str] = None) -> Optional[str]:
@@ -165,6 +160,24 @@ def extract_from_hf_cache(repo: str, hub: Hub) -> Optional[HeadWeights]:
     return head
 
 
+def checkpoint_has_head(folder: Path) -> bool:
+    """Whether a checkpoint holds mtp.* tensors, by its index or headers only (no tensor is read)."""
+    from .mtp import CHECKPOINT_PREFIXES
+
+    return any(name.startswith(CHECKPOINT_PREFIXES) for name in checkpoint_files(folder))
+
+
+def hf_cache_has_head(repo: str, hub: Hub) -> bool:
+    """Whether the local HF cache holds every file extract_from_hf_cache would read for `repo`."""
+    index = hub.cached(repo, INDEX)
+    if index is None:
+        return False
+    weight_map = read_index(index)
+    probe = norm_probe(weight_map)
+    needed = set(_mtp_names(weight_map).values()) | ({probe[1]} if probe else set())
+    return bool(_mtp_names(weight_map)) and all(hub.cached(repo, s) is not None for s in needed)
+
+
 def _ranges(entries: List[Tuple[str, int, int]]) -> List[Tuple[int, int, List[Tuple[str, int, int]]]]:
     """Merge byte ranges [start, end) that touch, so contiguous tensors come in one request."""
     merged = []
@@ -187,7 +200,7 @@ def download_head(repo: str, hub: Hub, revision: Optional[str] = None) -> HeadWe
         meta = get_hf_file_metadata(hf_hub_url(repo, INDEX, revision=revision))
         commit = meta.commit_hash or revision
     except Exception as e:
-        raise DynoError(f"cannot reach the Hub for {repo}: {_one_line(e)}") from None
+        raise DynoError(f"cannot reach the Hub for {repo}: {one_line(e)}") from None
     weight_map = hub.weight_map(repo, commit) or {}
     names = _mtp_names(weight_map)
     if not names:
@@ -274,7 +287,7 @@ def _get_range(session, url: str, headers: dict, start: int, end: int, bar=None)
     except DynoError:
         raise
     except Exception as e:
-        raise DynoError(f"download from {url} was interrupted ({_one_line(e)}); run again to retry") from None
+        raise DynoError(f"download from {url} was interrupted ({one_line(e)}); run again to retry") from None
     if len(buf) != end - start:
         raise DynoError(f"download from {url} was cut short ({len(buf)} of {end - start} bytes); run again to retry")
     return bytes(buf)

@@ -8,7 +8,7 @@ from typing import Callable, List, Optional
 import mlx.nn as nn
 
 from .backend import widen_experts
-from .errors import DynoError
+from .errors import DynoError, one_line
 from .heads import resolve_head
 from .mtp import MTPHead, build_head
 from .target import Target
@@ -93,8 +93,7 @@ def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_bas
     except DynoError:
         raise
     except Exception as e:  # mlx-lm raises many types; the user needs one line
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DynoError(f"cannot load model {path}: {msg}") from None
+        raise DynoError(f"cannot load model {path}: {one_line(e)}") from None
     gen_path = path / "generation_config.json"
     generation_config = _read_json(gen_path, "generation config") if gen_path.exists() else {}
     lm = LoadedModel(path, model, tokenizer, config, None, None, None, [], generation_config)

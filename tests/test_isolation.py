@@ -184,9 +184,9 @@ def test_developer_role_is_system_and_reasoning_is_replayed(tiny_dir, tiny_lm):
         original = served.chat_job
 
         def spy(req, sink):
-            job = original(req, sink)
+            model_id, job = original(req, sink)
             captured.append(job.prompt)
-            return job
+            return model_id, job
 
         served.chat_job = spy
         history = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"},
@@ -200,7 +200,8 @@ def test_developer_role_is_system_and_reasoning_is_replayed(tiny_dir, tiny_lm):
     assert captured == [list(want)]
 
 
-@pytest.mark.parametrize("kwargs", [{"tokenize": False}, {"return_dict": True}, {"add_generation_prompt": False}])
+@pytest.mark.parametrize("kwargs", [{"tokenize": False}, {"return_dict": True}, {"add_generation_prompt": False},
+                                    {"chat_template": "{{ 'x' }}"}])
 def test_template_kwargs_that_change_the_result_are_refused(tiny_dir, kwargs):
     with running_server(tiny_dir(), SpecConfig("auto", 2)) as server:
         r = server.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
@@ -214,8 +215,8 @@ def test_a_model_load_while_requests_arrive_serves_each_with_one_model(tiny_dir,
 
     old, new = tiny_lm("tied-gqa2"), tiny_lm("untied-mha")
     ids = old.tokenizer.encode(PROMPT)  # both tiny models share the byte tokenizer
-    answers = {detokenize(lm, plain_greedy(lm, ids, 8)) for lm in (old, new)}
-    assert len(answers) == 2
+    old_answer, new_answer = (detokenize(lm, plain_greedy(lm, ids, 8)) for lm in (old, new))
+    assert old_answer != new_answer
     with running_server(tiny_dir("tied-gqa2"), SpecConfig("auto", 7)) as server:  # auto never picks 7
         stop = threading.Event()
         replies = []
@@ -236,13 +237,53 @@ def test_a_model_load_while_requests_arrive_serves_each_with_one_model(tiny_dir,
         depth = server.served.worker.spec.draft_depth
         stats, metrics = server.stats(), server.metrics()
     assert replies and server.served.lm is loaded
+    by_id = {MODEL_ID: old_answer, loaded.path.name: new_answer}
     for status, body in replies:
-        if status == 200:
-            assert body["choices"][0]["text"] in answers
+        if status == 200:  # answered by the model the response names
+            assert body["choices"][0]["text"] == by_id[body["model"]]
         else:
             assert status == 503 and body["error"]["code"] in ("model_loading", None), body
     assert after.status_code == 200
-    assert after.json()["choices"][0]["text"] == detokenize(new, plain_greedy(new, ids, 8))
+    assert after.json()["choices"][0]["text"] == new_answer
     assert after.json()["model"] == loaded.path.name
     assert depth != 7 and stats["speculative"]["draft_depth"] == depth
     assert f"mlx:draft_tokens_accepted_per_position_total{{position={depth}}}" in metrics
+
+
+def test_a_job_checked_against_a_replaced_model_is_refused(tiny_dir, tiny_lm):
+    with running_server(tiny_dir("tied-gqa2"), SpecConfig("auto", 2)) as server:
+        worker = server.served.worker
+        stale = server.served.lm
+        worker.replace_model(lambda: (tiny_lm("untied-mha"), SpecConfig("auto", 2))).result(60)
+        out = queue.Queue()
+        worker.submit(Job(stale.tokenizer.encode(PROMPT), SamplingParams(max_tokens=4),
+                          TextAssembler(stale.tokenizer, []), out.put, lm=stale))
+        final = last(out)
+        assert server.get("/health").status_code == 200
+    assert isinstance(final, Failed) and final.status == 503
+    assert final.message == "the model was replaced while this request waited; send it again"
+
+
+def test_a_batched_request_whose_sampler_raises_fails_alone(tiny_dir, tiny_lm, monkeypatch):
+    import dyno_ui.worker as worker_module
+    from speculative.sampling import plain_sampler
+
+    def sampler_for(params, vocab):  # the request with seed 13 gets mlx-lm's top-k past the vocabulary
+        if params.seed == 13:
+            return make_sampler(1.0, top_k=vocab + 5)
+        return plain_sampler(params, vocab)
+
+    monkeypatch.setattr(worker_module, "plain_sampler", sampler_for)
+    lm = tiny_lm()
+    want = detokenize(lm, plain_greedy(lm, lm.tokenizer.encode(PROMPT), 12))
+    with running_server(tiny_dir(), decode_concurrency=3) as server:
+        with ThreadPoolExecutor(3) as pool:
+            good = [pool.submit(completion, server) for _ in range(2)]
+            bad = pool.submit(server.post, "/v1/completions",
+                              json={"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 13})
+            answers = [f.result().choices[0].text for f in good]
+            reply = bad.result()
+        assert server.get("/health").status_code == 200
+        after = completion(server).choices[0].text
+    assert answers == [want, want] and after == want
+    assert reply.status_code == 500 and reply.json()["error"]["message"].startswith("generation failed: ")
