@@ -12,7 +12,6 @@ from typing import Generator, Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 
 from .cache import rollback
 from .config import SamplingParams, SpecConfig
@@ -21,7 +20,7 @@ from .events import Done, Provenance, Round, Token
 from .loader import LoadedModel
 from .prefix_cache import PrefixCache, PrefixEntry
 from .processors import PrefixProcessors, processors_for, with_prefix
-from .sampling import draw, log_softmax, warp
+from .sampling import draw, log_softmax, plain_sampler, warp
 from .verify import greedy_accept, lossless_accept
 
 Event = Union[Token, Round, Done]
@@ -90,7 +89,7 @@ class PlainRun:
     """Plain decoding is mlx-lm's own generate_step: same output, same speed."""
 
     def __init__(self, lm: LoadedModel, params: SamplingParams, prefill_step: int):
-        self.model, self.params, self.prefill_step = lm.model, params, prefill_step
+        self.model, self.params, self.prefill_step, self.vocab = lm.model, params, prefill_step, lm.vocab_size
         self.cache: List = []
         self.fed: List[int] = []  # every token the cache holds
 
@@ -99,7 +98,7 @@ class PlainRun:
         p = self.params
         if p.seed is not None:
             mx.random.seed(p.seed)
-        sampler = make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
+        sampler = plain_sampler(p, self.vocab)
         start = len(resume) if resume else 0
         self.cache = resume.trunk_cache if resume else make_prompt_cache(self.model)
         self.fed = list(prompt)

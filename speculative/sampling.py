@@ -1,34 +1,64 @@
 """Warp logits into the distribution we sample from, and draw from it.
 
-The warp reproduces mlx-lm's `make_sampler` exactly: filters (top-p, min-p, top-k, in that
-order) act on the untempered log-probabilities, then the survivors are scaled by 1/temperature.
-The same warp is applied to draft rows and target rows, which the lossless rule requires.
+The warp reproduces mlx-lm's sampling numerics exactly, so `--speculative mtp` draws from the
+very distribution plain decoding draws from: generate_step's log-softmax and make_sampler's
+filters (top-p, min-p, top-k, in that order) and 1/temperature scaling all run in the logits'
+own dtype (bf16 for most checkpoints); only the final normalisation, which the acceptance
+arithmetic reads, is float32. The same warp is applied to draft rows and target rows, which the
+lossless rule requires.
 """
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import Sampler, apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 from .config import SamplingParams
 
 
 def log_softmax(logits: mx.array) -> mx.array:
-    """Log-probabilities along the last axis, computed as mlx-lm's generate_step does."""
+    """Log-probabilities along the last axis, in the logits' dtype, as mlx-lm's generate_step."""
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def warp(logits: mx.array, params: SamplingParams) -> mx.array:
-    """Normalised log-probabilities of the sampling distribution ([..., V]); -inf off-support."""
-    logprobs = log_softmax(logits.astype(mx.float32))
-    vocab = logprobs.shape[-1]
+def filtered(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    """make_sampler's filters on untempered log-probabilities, in their dtype; -inf when cut."""
     if 0 < params.top_p < 1.0:
         logprobs = apply_top_p(logprobs, params.top_p)
     if params.min_p != 0.0:
         logprobs = apply_min_p(logprobs, params.min_p)
-    if 0 < params.top_k < vocab:
-        logprobs = apply_top_k(logprobs, params.top_k)
-    return log_softmax(logprobs * (1.0 / params.temperature))
+    top_k = effective_top_k(params, logprobs.shape[-1])
+    if top_k:
+        logprobs = apply_top_k(logprobs, top_k)
+    return logprobs
+
+
+def tempered(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    """What categorical_sampling hands mx.random.categorical: logprobs * (1/temp) in their dtype."""
+    # The factor is a Python float, so MLX rounds it to the array's dtype and the product stays
+    # there (bf16 rows are scaled by bf16(1/temp)), exactly as in mlx-lm.
+    return logprobs * (1.0 / params.temperature)
+
+
+def warp(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Float32 log-probabilities of plain decoding's sampling distribution; -inf off-support."""
+    # In the dtype the processors left, as plain decoding (mlx-lm's logit bias makes rows float32).
+    scores = tempered(filtered(log_softmax(logits), params), params)
+    # mx.random.categorical(scores) adds float32 Gumbel noise (bf16 widens exactly) and takes the
+    # argmax: plain decoding realises softmax(float32(scores)). Casting any earlier would round,
+    # tie and cut differently; float32 from here on is what the p/q ratios and residual need.
+    return log_softmax(scores.astype(mx.float32))
 
 
 def draw(logprobs: mx.array, key: mx.array) -> mx.array:
     """One token per row from normalised log-probabilities."""
     return mx.random.categorical(logprobs, axis=-1, key=key)
+
+
+def effective_top_k(params: SamplingParams, vocab: int) -> int:
+    """top_k as every path applies it: at or above the vocabulary size it filters nothing (0)."""
+    return params.top_k if params.top_k < vocab else 0
+
+
+def plain_sampler(params: SamplingParams, vocab: int) -> Sampler:
+    """mlx-lm's sampler for the paths that do not draft (plain, batched, bench)."""
+    return make_sampler(params.temperature, params.top_p, params.min_p,
+                        top_k=effective_top_k(params, vocab))

@@ -1,14 +1,23 @@
-"""Speculative sampling has exactly the model's distribution (chi-square against exact joints)."""
+"""Speculative sampling has exactly the model's distribution (chi-square against exact references).
 
+Every reference is built from mlx-lm's own sampling pieces in the model's dtype (generate_step's
+log-softmax, make_sampler's filters, categorical_sampling's 1/temp), never from the engine's warp.
+"""
+
+import dataclasses
 import itertools
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 from scipy.stats import chi2
 
+import tiny_models
 from speculative.config import SamplingParams
 from speculative.engine import Speculator
+from speculative.events import Token
+from speculative.loader import load_model
 from speculative.sampling import warp
 
 PARAMS = SamplingParams(temperature=1.0, top_k=3, max_tokens=3)
@@ -19,17 +28,117 @@ SAMPLES = {"shadow": 4000, "mtp-head": 600}
 FALSE_ALARM = 1e-6
 
 
+def mlx_lm_scores(logits: mx.array, params: SamplingParams) -> mx.array:
+    """What plain mlx-lm hands mx.random.categorical for a [1, V] row, in the row's dtype."""
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)  # generate_step
+    if 0 < params.top_p < 1.0:  # make_sampler's chain, in its order
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p != 0.0:
+        logprobs = apply_min_p(logprobs, params.min_p)
+    if 0 < params.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    return logprobs * (1.0 / params.temperature)  # categorical_sampling
+
+
+def mlx_lm_probs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """The distribution plain mlx-lm draws from: categorical adds float32 Gumbel noise to the scores."""
+    return mx.softmax(mlx_lm_scores(logits, params).astype(mx.float32), axis=-1)
+
+
+def mlx_lm_processors(params: SamplingParams):
+    """mlx-lm's logits processors for these parameters, built directly (not through the engine)."""
+    return make_logits_processors(
+        dict(params.logit_bias) if params.logit_bias else None, params.repetition_penalty,
+        params.repetition_context_size, params.presence_penalty, params.presence_context_size,
+        params.frequency_penalty, params.frequency_context_size)
+
+
 _memo = {}
 
 
-def target_dist(lm, tokens):
-    """The warped trunk distribution after `tokens`, by a fresh forward (no cache), memoised."""
+def trunk_logits(lm, tokens):
+    """[1, V] next-token logits after `tokens` by a fresh trunk forward (no cache), model dtype; memoised."""
     key = (id(lm), tuple(tokens))
     if key not in _memo:
-        logits = lm.model(mx.array(tokens)[None])[:, -1]
-        _memo[key] = np.array(mx.exp(warp(logits, PARAMS))[0])
+        _memo[key] = lm.model(mx.array(tokens)[None])[:, -1]
     return _memo[key]
 
+
+def target_dist(lm, tokens, params=PARAMS):
+    """Plain decoding's next-token distribution after `tokens`: mlx-lm's processors over every
+    token (as generate_step passes them) on a fresh forward's logits, then mlx_lm_probs; memoised."""
+    key = (id(lm), params, tuple(tokens))
+    if key not in _memo:
+        logits = trunk_logits(lm, tokens)
+        for processor in mlx_lm_processors(params):
+            logits = processor(mx.array(tokens), logits)
+        _memo[key] = np.array(mlx_lm_probs(logits, params)[0])
+    return _memo[key]
+
+
+# ---- the warp is mlx-lm's sampling distribution, in the logits' dtype ----
+
+def bf16(rows):
+    return mx.array(rows, dtype=mx.float32).astype(mx.bfloat16)
+
+
+# Rows where bf16 rounding decides the support (found by search over 1/16-step logits):
+# min-p keeps token 0 only in bf16, top-p keeps token 1 only in float32, and the top-k pair
+# 0 and 2**-7 ties at log-prob -8 in bf16, so top-k keeps token 1, not the larger token 2.
+CRAFTED = [
+    (bf16([[-0.625, 1.6875, -2.3125, -2.1875]]), SamplingParams(temperature=1.0, min_p=0.1)),
+    (bf16([[3.3125, 1.0625, -1.875, -5.3125]]), SamplingParams(temperature=1.0, top_p=0.9)),
+    (bf16([[8.0, 0.0, 2**-7, -30.0]]), SamplingParams(temperature=0.7, top_k=2)),
+]
+RANDOM = [
+    (bf16(2 * np.random.default_rng(i).standard_normal((1, 320))), params)
+    for i, params in enumerate([
+        SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, top_k=40),
+        SamplingParams(temperature=1.3, top_p=0.5),
+        SamplingParams(temperature=0.6, min_p=0.1),
+        SamplingParams(temperature=0.8, top_k=7),
+    ])
+]
+
+
+@pytest.mark.parametrize("logits, params", CRAFTED + RANDOM)
+def test_reference_is_what_mlx_lm_draws(logits, params):
+    """mlx_lm_scores is exactly what make_sampler samples from: same global seed, same token."""
+    sampler = make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    scores = mlx_lm_scores(logits, params)
+    for seed in range(64):
+        mx.random.seed(seed)
+        plain = sampler(logprobs)
+        mx.random.seed(seed)
+        assert plain.item() == mx.random.categorical(scores).item(), seed
+
+
+@pytest.mark.parametrize("logits, params, crafted",
+                         [c + (True,) for c in CRAFTED] + [c + (False,) for c in RANDOM])
+def test_warp_is_mlx_lm_distribution(logits, params, crafted):
+    """exp(warp) equals plain mlx-lm's distribution on bf16 rows; a float32-first warp does not."""
+    expected = np.array(mlx_lm_probs(logits, params))
+    got = np.array(mx.exp(warp(logits, params)))
+    np.testing.assert_array_equal(got > 0, expected > 0)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-9)
+    old = np.array(mx.exp(warp(logits.astype(mx.float32), params)))  # the warp before this fix
+    support = expected > 0
+    if crafted:  # so this test can fail: the old warp gets even the support wrong
+        assert (support != (old > 0)).any()
+    else:  # and misses single probabilities by 0.4-4% (bf16(1/temp) and bf16 rounding of scores)
+        assert (np.abs(old - expected)[support] / expected[support]).max() > 1e-3
+
+
+def test_warp_treats_verify_rows_like_single_rows():
+    """The target's [k + 1, V] verify rows warp exactly as plain decoding's [1, V] rows do."""
+    rows = mx.concatenate([logits for logits, _ in RANDOM])  # [4, 320] bf16
+    params = RANDOM[0][1]
+    each = mx.concatenate([warp(rows[i : i + 1], params) for i in range(rows.shape[0])])
+    assert mx.array_equal(warp(rows, params), each).item()
+
+
+# ---- the first three tokens, against their exact joint (float32 model) ----
 
 class ShadowSpeculator(Speculator):
     """Drafts from q: flatter than p on p's support, plus some mass off it (every ratio p/q occurs)."""
@@ -76,6 +185,18 @@ def chi_square(counts, joint, n):
     return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
 
 
+def sample_tokens(spec, prompt, n):
+    """The first n tokens a speculator emits after `prompt`, and how many drafts it made and kept."""
+    tokens, drafted, accepted = [], 0, 0
+    for e in spec.run(prompt):
+        if isinstance(e, Token):
+            tokens.append(e.id)
+        else:
+            drafted, accepted = drafted + e.drafted, accepted + e.accepted
+        if len(tokens) == n:
+            return tokens, drafted, accepted
+
+
 @pytest.mark.parametrize("name, drafter", [("tied-gqa2", "shadow"), ("tied-gqa2", "mtp-head"),
                                            ("moe-fused", "mtp-head")])
 def test_first_tokens_follow_the_model(tiny_lm, name, drafter):
@@ -89,20 +210,118 @@ def test_first_tokens_follow_the_model(tiny_lm, name, drafter):
         params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=seed)
         spec = cls(lm, params, 2, 2048)
         spec.lm, spec.context = lm, prompt
-        steps = spec.run(prompt)
-        tokens = []
-        for e in steps:
-            if hasattr(e, "id"):
-                tokens.append(e.id)
-            else:
-                accepted += e.accepted
-            if len(tokens) == 3:
-                break
+        tokens, _, acc = sample_tokens(spec, prompt, 3)
+        accepted += acc
         counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
     stat, dof = chi_square(counts, joint, n)
     assert stat < chi2.isf(FALSE_ALARM, dof), (stat, dof)
     if drafter == "shadow":
         assert accepted > 0.5 * n  # the accept branch was exercised, not only corrections
+
+
+# ---- six tokens over several rounds: bf16 and quantized models, filters and processors ----
+
+# Logits scaled 3x (top token 15-50%, as in trained models) so the filters cut real mass. The
+# bias's float32 values promote bf16 rows to float32 in mlx-lm (and so in the warp); the q4
+# setting stays bf16 throughout. At these sizes a token outside plain decoding's support fails at once (verify rows processed
+# without the drafts as history: 17 such tokens; rollback one token short: hundreds), and the
+# chi-square catches gross errors (no processors on verify rows: 839 against 96), not subtle
+# rule errors: 2p/q acceptance scored 52 against 96; the shadow test above is for those.
+SETTINGS = {  # name: (draft depth, samples, params); quantized matmuls are slow on CPU
+    "bf16": (2, 200, SamplingParams(temperature=1.2, top_p=0.9, min_p=0.05, top_k=5, logit_bias={32: 1.5},
+                                    presence_penalty=0.5)),
+    "q4": (3, 150, SamplingParams(temperature=0.8, top_p=0.85, min_p=0.08, top_k=4, repetition_penalty=1.3)),
+}
+LONG_TOKENS = 6
+DRAFT_NOISE = 1.0  # q differs from p enough that rejections and residual draws are common
+
+
+class TrunkDrafter(Speculator):
+    """Drafts through the engine's own processors and warp (`_pick`) from the trunk's logits for
+    the next position plus noise in the model's dtype, reused for every draft of the round: the
+    first draft is often kept, later ones often corrected (the random head's are almost never kept).
+    Only committed prefixes are forwarded, the same ones the reference needs."""
+
+    def _draft(self, k):
+        history = self._history() if self.processors else None
+        base = trunk_logits(self.lm, self.prompt + self.generated)
+        drafts, probs = [], []
+        for _ in range(k):
+            noise = DRAFT_NOISE * mx.random.normal(base.shape, key=self._split())
+            logits = base + noise.astype(base.dtype)
+            if history is not None:
+                logits = self.processors.row(logits, history, mx.concatenate(drafts) if drafts else None)
+            d, q = self._pick(logits)
+            drafts.append(d)
+            probs.append(q)
+        return mx.concatenate(drafts), mx.concatenate(probs)
+
+
+@pytest.fixture(scope="module")
+def low_precision_lm(tiny_dir, tmp_path_factory):
+    """A bf16 tied-gqa2 checkpoint, and its 4-bit (group 32) conversion with the head beside it."""
+    source = tiny_dir("tied-gqa2", dtype=mx.bfloat16, logit_scale=3.0)
+    model, head = tiny_models.quantized(source, tmp_path_factory.mktemp("q4"))
+    models = {"bf16": load_model(source), "q4": load_model(model, mode="mtp", mtp_head=str(head))}
+    return models.__getitem__
+
+
+def step_statistic(rows, observed, contexts):
+    """Chi-square of one step's tokens against their conditionals; returns (stat, dof).
+
+    rows[s] is sample s's exact next-token distribution given its own prefix, contexts[s] that
+    prefix. Cells are (context, token) pairs expected at least 5 times, the rest pooled: per
+    context this is the Pearson test of the conditional (Anderson & Goodman's test for chains,
+    whose per-step statistics add up). Observed minus expected cell counts is a sum of
+    martingale differences with covariance sum(diag(p) - p p^T), so the quadratic form is
+    chi-square with that matrix's rank as dof, even where contexts have few samples.
+    """
+    index = {}
+    group = np.array([index.setdefault(c, len(index)) for c in contexts])  # [S] context number
+    expected = np.zeros((group.max() + 1, rows.shape[1]))
+    np.add.at(expected, group, rows)
+    cell = np.where(expected >= 5, np.cumsum(expected >= 5).reshape(expected.shape) - 1, -1)
+    pool = int((expected >= 5).sum())
+    if pool == 0:
+        return 0.0, 0
+    cell[cell < 0] = pool
+    if expected[cell == pool].sum() < 5:
+        cell[cell == pool] = pool - 1  # too small to stand alone: join the last cell
+    cells = cell.max() + 1
+    by_sample = cell[group]  # [S, V] cell of each token for each sample
+    p = np.zeros((len(rows), cells))
+    np.add.at(p, (np.repeat(np.arange(len(rows)), rows.shape[1]), by_sample.ravel()), rows.ravel())
+    o = np.eye(cells)[by_sample[np.arange(len(rows)), observed]]
+    d = (o - p).sum(axis=0)
+    # Singular (rows sum to 1; a token certain in every row varies not at all): invert on its range.
+    w, v = np.linalg.eigh(np.diag(p.sum(axis=0)) - p.T @ p)
+    live = w > 1e-9 * w.max()
+    return float(((v[:, live].T @ d) ** 2 / w[live]).sum()), int(live.sum())
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_six_tokens_follow_the_model(low_precision_lm, setting):
+    depth, n, base = SETTINGS[setting]
+    lm = low_precision_lm(setting)
+    prompt = lm.tokenizer.encode("x = ")
+    samples, drafted, accepted = [], 0, 0
+    for seed in range(n):
+        params = dataclasses.replace(base, seed=seed, max_tokens=LONG_TOKENS)
+        spec = TrunkDrafter(lm, params, depth, 2048)
+        spec.lm = lm
+        tokens, d, a = sample_tokens(spec, prompt, LONG_TOKENS)
+        samples.append(tokens)
+        drafted, accepted = drafted + d, accepted + a
+    total, dof = 0.0, 0
+    for j in range(LONG_TOKENS):
+        rows = np.stack([target_dist(lm, prompt + s[:j], base) for s in samples])
+        observed = np.array([s[j] for s in samples])
+        drawable = rows[np.arange(len(samples)), observed] > 0
+        assert drawable.all(), f"step {j + 1}: a token plain decoding never draws"
+        stat, cells = step_statistic(rows, observed, [tuple(s[:j]) for s in samples])
+        total, dof = total + stat, dof + cells
+    assert dof >= 10 and total < chi2.isf(FALSE_ALARM, dof), (total, dof)
+    assert 0.1 * drafted < accepted < 0.9 * drafted  # both branches ran, over several rounds each
 
 
 def test_seeded_runs_are_reproducible(tiny_lm):

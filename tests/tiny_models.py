@@ -99,11 +99,12 @@ def _hf_experts(weights: dict, per_expert: bool) -> dict:
 
 def build(folder, seed: int = 0, with_head: bool = True, dtype=mx.float32, wrapper: bool = True,
           generation_config: dict = None, moe: bool = False, head_experts: str = "fused",
-          **overrides) -> Path:
+          logit_scale: float = 1.0, **overrides) -> Path:
     """Write a random tiny checkpoint in raw HF layout to `folder`; returns the folder.
 
     moe=True builds a qwen3_5_moe model; head_experts is "fused" or "per-expert" (the head's
-    expert layout; the trunk is always fused, as mlx-lm expects).
+    expert layout; the trunk is always fused, as mlx-lm expects). logit_scale multiplies the
+    final norm, hence the logits: random models are flat (top token ~3%); trained ones are not.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -114,6 +115,8 @@ def build(folder, seed: int = 0, with_head: bool = True, dtype=mx.float32, wrapp
     mx.random.seed(seed)
     model = qwen3_5.TextModel(qwen3_5.TextModelArgs.from_dict(tc))
     params = _randomize_norms(dict(tree_flatten(model.parameters())), key)
+    if logit_scale != 1.0:
+        params["model.norm.weight"] = params["model.norm.weight"] * logit_scale
     weights = {}
     for name, v in params.items():
         if any(name.endswith(s) for s in _TRUNK_NORMS):
@@ -150,3 +153,22 @@ def build(folder, seed: int = 0, with_head: bool = True, dtype=mx.float32, wrapp
         (folder / "generation_config.json").write_text(json.dumps(generation_config))
     write_tokenizer(folder)
     return folder
+
+
+def quantized(source, folder, group_size: int = 32, bits: int = 4):
+    """An MLX-quantized conversion of checkpoint `source` (mlx_lm.convert, which drops the head)
+    plus the head as a standalone folder; returns (model folder, head folder).
+
+    group_size must divide the tiny dims (64, 128); scales keep the source dtype, so a bf16
+    source gives bf16 logits, as community quantizations do.
+    """
+    from mlx_lm import convert
+
+    from speculative.mtp import read_checkpoint_head, write_head_folder
+
+    source, folder = Path(source), Path(folder)
+    model = folder / f"q{bits}g{group_size}"
+    convert(hf_path=str(source), mlx_path=str(model), quantize=True, q_group_size=group_size, q_bits=bits)
+    config = json.loads((source / "config.json").read_text())
+    head = write_head_folder(folder / "head", read_checkpoint_head(source), config.get("text_config", config))
+    return model, head
