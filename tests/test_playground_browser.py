@@ -94,7 +94,9 @@ def wait_for_stats(page, pattern: str, selector="#stats") -> str:
 
 
 def test_chat_streams_coloured_drafts_charts_and_stats(page, shots):
-    page.locator("#chat-input textarea").fill("Say the alphabet.")
+    from dyno_ui.playground import EXAMPLES
+
+    page.locator("#chat-input textarea").fill(EXAMPLES[1])  # what a visitor clicks first
     page.locator("#send").click()
     line = wait_for_stats(page, r"finished: (length|stop)")
     accepted, drafted = map(int, re.search(r"(\d+)/(\d+) drafts accepted", line).groups())
