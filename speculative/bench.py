@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from .config import SamplingParams, SpecConfig
+from .draft_vocab import draft_lm_head
 from .engine import generate
 from .loader import LoadedModel
 from .sampling import plain_sampler
@@ -93,15 +94,16 @@ class SettingResult:
 
 
 def paired_benchmark(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams, depths: Sequence[int],
-                     pairs: int = 5, with_off: bool = True, auto_depth: Optional[int] = None) -> Dict[str, object]:
+                     pairs: int = 5, with_off: bool = True, auto_depth: Optional[int] = None,
+                     draft_vocab: Optional[int] = None) -> Dict[str, object]:
     """Alternate plain mlx-lm with each Dyno setting, `pairs` cycles after one warm-up cycle.
 
     `auto_depth`: also run the depth `--draft-depth auto` resolved to, as its own setting "auto".
     """
     settings = ([("off", SpecConfig("off"))] if with_off else []) + [
-        (f"mtp@{k}", SpecConfig("mtp", k)) for k in depths]
+        (f"mtp@{k}", SpecConfig("mtp", k, draft_vocab)) for k in depths]
     if auto_depth is not None:
-        settings.append((f"auto(={auto_depth})", SpecConfig("mtp", auto_depth)))
+        settings.append((f"auto(={auto_depth})", SpecConfig("mtp", auto_depth, draft_vocab)))
     results = {name: SettingResult(name, spec.draft_depth if spec.mode == "mtp" else None, [], [], [],
                                    True if params.greedy else None) for name, spec in settings}
     base_tps, base_ttft = [], []
@@ -193,13 +195,14 @@ def _interleaved(builds: Dict[object, object], reps: int, burst: int = 2) -> Dic
 
 
 def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], reps: int = 15,
-               burst: int = 2) -> Dict[str, object]:
+               burst: int = 2, draft_vocab: Optional[int] = None) -> Dict[str, object]:
     """Seconds per 1-token trunk step (T1), per k+1-token verify (Tv(k)) and per head step (Td).
 
     Each builder queues one call's graph and rewinds the caches, so back-to-back calls all
     see the same context.
     """
     target, head = lm.target, lm.head
+    draft_projection = draft_lm_head(lm, draft_vocab)  # what the draft step multiplies by
     trunk = target.make_cache()
     tokens = mx.array(list(prompt))[None]
     hidden = target.hidden(tokens, trunk)
@@ -227,7 +230,7 @@ def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], re
     def draft():
         out = head(target.embed(last), g, head_cache)
         head_cache[0].trim(head_cache[0].offset - offset)
-        return mx.argmax(target.lm_head(out[:, -1]), axis=-1)
+        return mx.argmax(draft_projection(out[:, -1]), axis=-1)
 
     t = _interleaved({"T1": step, "Td": draft, **{k: verify(k) for k in depths}}, reps, burst)
     return {"T1": t["T1"], "Tv": {k: t[k] for k in depths}, "Td": t["Td"]}

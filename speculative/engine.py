@@ -15,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .cache import rollback
 from .config import SamplingParams, SpecConfig
+from .draft_vocab import draft_lm_head
 from .errors import DynoError
 from .events import Done, Provenance, Round, Token
 from .loader import LoadedModel
@@ -46,7 +47,7 @@ def generate(
     prompt = list(prompt)
     drafting = spec.mode != "off" and lm.head is not None
     if drafting:
-        runner = Speculator(lm, params, spec.draft_depth, prefill_step)
+        runner = Speculator(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab)
     else:
         runner = PlainRun(lm, params, prefill_step)
     resume = prefix_cache.take(prompt, with_head=drafting) if prefix_cache is not None else None
@@ -118,8 +119,10 @@ class PlainRun:
 class Speculator:
     """State of one speculative generation: trunk and head caches, the pending token, the RNG."""
 
-    def __init__(self, lm: LoadedModel, params: SamplingParams, depth: int, prefill_step: int):
+    def __init__(self, lm: LoadedModel, params: SamplingParams, depth: int, prefill_step: int,
+                 draft_vocab: Optional[int] = None):
         self.target, self.head = lm.target, lm.head
+        self.draft_lm_head = draft_lm_head(lm, draft_vocab)  # the drafts' projection: all rows or a subset
         self.params, self.depth, self.prefill_step = params, depth, prefill_step
         self.trunk_cache = self.target.make_cache()
         self.head_cache = self.head.make_cache()
@@ -190,7 +193,7 @@ class Speculator:
         g = self.head_hidden  # head post-norm output of the last committed row
         history = self._history() if self.processors else None
         for j in range(k):
-            logits = self.target.lm_head(g[:, -1])
+            logits = self.draft_lm_head(g[:, -1])
             if history is not None:  # draft j follows the committed tokens and drafts 0..j-1
                 logits = self.processors.row(logits, history, mx.concatenate(drafts) if drafts else None)
             d, q = self._pick(logits)

@@ -23,7 +23,8 @@ from speculative.sampling import warp
 PARAMS = SamplingParams(temperature=1.0, top_k=3, max_tokens=3)
 # 4000 samples make a wrong rule visible: accepting with 2p/q scored ~150 and drawing the
 # correction from p instead of the residual ~82 against a critical value of ~76 (27 cells).
-SAMPLES = {"shadow": 4000, "mtp-head": 600}
+DRAFT_VOCAB = 160  # of the tiny models' 320
+SAMPLES = {"shadow": 4000, "mtp-head": 600, "draft-vocab": 600}
 # A correct engine exceeds the critical value with probability 1e-6.
 FALSE_ALARM = 1e-6
 
@@ -198,7 +199,7 @@ def sample_tokens(spec, prompt, n):
 
 
 @pytest.mark.parametrize("name, drafter", [("tied-gqa2", "shadow"), ("tied-gqa2", "mtp-head"),
-                                           ("moe-fused", "mtp-head")])
+                                           ("moe-fused", "mtp-head"), ("tied-gqa2", "draft-vocab")])
 def test_first_tokens_follow_the_model(tiny_lm, name, drafter):
     lm = tiny_lm(name)
     prompt = lm.tokenizer.encode("x = ")
@@ -208,7 +209,8 @@ def test_first_tokens_follow_the_model(tiny_lm, name, drafter):
     n = SAMPLES[drafter]
     for seed in range(n):
         params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=seed)
-        spec = cls(lm, params, 2, 2048)
+        # draft-vocab: the head drafts from half the vocabulary; q is zero on the other half
+        spec = cls(lm, params, 2, 2048, DRAFT_VOCAB if drafter == "draft-vocab" else None)
         spec.lm, spec.context = lm, prompt
         tokens, _, acc = sample_tokens(spec, prompt, 3)
         accepted += acc
