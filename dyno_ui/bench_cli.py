@@ -14,16 +14,22 @@ from .models import default_model
 
 
 def add_commands(sub) -> None:
+    from .cli import _vocab  # the same --draft-vocab values as generate and serve
+
     b = sub.add_parser("bench", help="measure Dyno against plain mlx-lm, side by side",
                        description="Paired, alternating runs: plain mlx-lm, Dyno off, Dyno mtp at each depth.")
     b.add_argument("--model", help="model folder (default: the bundled dyno-tiny)")
     b.add_argument("--suite", default="code", choices=[*SUITES, "all"])
+    b.add_argument("--mtp-head-bits", metavar="{16,8,4}",
+                   help="precision the MTP head is kept at (default: follow the trunk; README, Head memory)")
     b.add_argument("--depths", default="1,2,3,4", help="comma-separated draft depths; `auto` adds the depth --draft-depth auto picks (default: %(default)s)")
     b.add_argument("--temp", type=float, nargs="+", default=[0.0], metavar="T", help="temperatures (default: 0)")
     b.add_argument("--top-p", type=float, default=0.95, help="top-p when T > 0 (default: %(default)s)")
     b.add_argument("--top-k", type=int, default=20, help="top-k when T > 0 (default: %(default)s)")
     b.add_argument("--max-tokens", type=int, default=200)
     b.add_argument("--pairs", type=int, default=5, help="measured cycles per prompt (default: %(default)s)")
+    b.add_argument("--draft-vocab", type=_vocab, default=None, metavar="N|full",
+                   help="tokens the draft step scores (default: full)")
     b.add_argument("--json", metavar="FILE", help="write the JSON record here")
     b.add_argument("--plot", metavar="FILE", help="write a Plotly chart (FILE.html, and FILE.png if kaleido works)")
     b.set_defaults(func=cmd_bench)
@@ -91,13 +97,15 @@ def cmd_bench(args) -> int:
         raise DynoError(f"--depths must be between 1 and {MAX_DRAFT_DEPTH}, got {args.depths!r}")
     if args.pairs < 1:
         raise DynoError(f"--pairs must be at least 1, got {args.pairs}")
-    lm = load_model(args.model or default_model(), mode="mtp")
+    lm = load_model(args.model or default_model(), mode="mtp", head_bits=args.mtp_head_bits)
     auto = resolve_depth(lm, "auto") if "auto" in names else None
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     record = {"machine": _machine(), "model": str(lm.path), "quantization": lm.config.get("quantization"),
               "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "settings": {"depths": depths, "auto_depth": auto, "temps": args.temp, "max_tokens": args.max_tokens, "pairs": args.pairs,
-                           "top_p": args.top_p, "top_k": args.top_k}, "results": []}
+                           "top_p": args.top_p, "top_k": args.top_k, "draft_vocab": args.draft_vocab},
+              "results": []}
+    record["mtp_head"] = lm.head_memory.as_json()
     cost_depths = sorted(set(depths) | ({auto} if auto else set()))
     for suite in suites:
         for item in SUITES[suite]:
@@ -106,14 +114,16 @@ def cmd_bench(args) -> int:
                 params = SamplingParams(temperature=temp, top_p=args.top_p if temp else 1.0,
                                         top_k=args.top_k if temp else 0, max_tokens=args.max_tokens, seed=0)
                 print(f"[{suite}] T={temp} {item['prompt'][:40]!r}...", file=sys.stderr, flush=True)
-                res = paired_benchmark(lm, prompt, params, depths, pairs=args.pairs, auto_depth=auto)
+                res = paired_benchmark(lm, prompt, params, depths, pairs=args.pairs, auto_depth=auto,
+                                       draft_vocab=args.draft_vocab)
                 # Measured right after its pairs: this machine's speed drifts by tens of percent over
                 # minutes, so a bound from another moment would misstate the efficiency.
-                res["cost_model"] = cost_model(lm, prompt, cost_depths)
+                res["cost_model"] = cost_model(lm, prompt, cost_depths, draft_vocab=args.draft_vocab)
                 record["results"].append({"suite": suite, "prompt": item["prompt"], "temperature": temp, **res})
     record["cost_model"] = _median_costs([r["cost_model"] for r in record["results"]])
     _add_bounds(record, speedup_bound)
     _print_table(record)
+    print(lm.head_memory.line())
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)

@@ -10,6 +10,9 @@ from speculative.errors import DynoError
 
 from .models import default_model
 
+HEAD_BITS_HELP = ("precision the MTP head is kept at in memory: 16 (as stored), 8 or 4 (its linear layers "
+                  "quantized at load, group 64); default: follow the trunk (README, Head memory)")
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder (default: the bundled dyno-tiny, or $DYNO_MODEL)")
@@ -18,7 +21,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-depth", type=_depth, default="auto", metavar="K",
                    help=f"tokens drafted per round, 1..{MAX_DRAFT_DEPTH}, or auto: the depth `dyno tune` "
                         f"stored for this model and machine, else a cost-model estimate (default: auto)")
+    p.add_argument("--draft-vocab", type=_vocab, default=None, metavar="N|full",
+                   help="tokens the draft step scores: the N most frequent (special tokens always kept), or "
+                        "full (default); output stays exact either way (README, Draft vocabulary)")
     p.add_argument("--mtp-head", metavar="DIR", help="a standalone MTP head folder to use")
+    p.add_argument("--mtp-head-bits", metavar="{16,8,4}", help=HEAD_BITS_HELP)
     p.add_argument("--mtp-base", metavar="REPO",
                    help="the original repository to take the head from (default: from the model card)")
 
@@ -31,6 +38,16 @@ def _depth(value: str):
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer or auto, got {value!r}") from None
+
+
+def _vocab(value: str):
+    """argparse type for --draft-vocab: "full" (None) or a token count (checked by SpecConfig)."""
+    if value == "full":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of tokens or full, got {value!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,17 +111,18 @@ def cmd_generate(args) -> int:
 
     if args.draft_depth != "auto":
         SpecConfig(args.speculative, args.draft_depth)  # validate before loading anything
+    SpecConfig(draft_vocab=args.draft_vocab)
     if args.max_tokens < 1:
         raise DynoError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if not args.prompt:
         raise DynoError("the prompt is empty")
     sampling_from(args, {})  # reject bad sampling flags before loading anything
     lm = load_model(args.model or default_model(), mode=args.speculative, mtp_head=args.mtp_head,
-                    mtp_base=args.mtp_base, notify=_notify)
+                    mtp_base=args.mtp_base, notify=_notify, head_bits=args.mtp_head_bits)
     params = sampling_from(args, lm.generation_config)
     from speculative.tuning import resolve_depth
 
-    spec = SpecConfig(args.speculative, resolve_depth(lm, args.draft_depth))
+    spec = SpecConfig(args.speculative, resolve_depth(lm, args.draft_depth), args.draft_vocab)
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
         prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

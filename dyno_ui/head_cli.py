@@ -16,6 +16,9 @@ def add_commands(sub) -> None:
     pull = hsub.add_parser("pull", help="fetch and cache the MTP head for a model ahead of time")
     pull.add_argument("model", help="a local model folder or a Hugging Face repo id")
     pull.add_argument("--mtp-base", metavar="REPO", help="take the head from this repository")
+    pull.add_argument("--mtp-head-bits", metavar="{16,8,4}",
+                      help="report the memory the head takes at this precision (the cache keeps it as "
+                           "downloaded, bf16); default: follow the model's trunk")
     pull.set_defaults(func=cmd_head_pull)
     lst = hsub.add_parser("list", help="show cached heads with their size and source")
     lst.set_defaults(func=cmd_head_list)
@@ -34,12 +37,48 @@ def _size(path: Path) -> int:
 
 
 def cmd_head_pull(args) -> int:
+    from speculative.precision import parse_head_bits
+
+    parse_head_bits(args.mtp_head_bits)  # a bad value fails before anything is fetched
     target, base = pull_head(args.model, args.mtp_base, _notify)
+    memory = planned_memory(args.model, target, base, args.mtp_head_bits)
     if base is None:
-        print(f"{target} carries its own MTP head; nothing to fetch")
+        print(f"{target} carries its own MTP head; nothing to fetch" + (f" (in memory {memory})" if memory else ""))
     else:
-        print(f"MTP head of {base}: {target} ({_size(target) / 1e6:.1f} MB)")
+        print(f"MTP head of {base}: {target} ({_size(target) / 1e6:.1f} MB" + (f"; in memory {memory})" if memory else ")"))
     return 0
+
+
+_FLOATS = {"BF16": (2, "bfloat16"), "F16": (2, "float16"), "F32": (4, "float32")}  # itemsize, name
+
+
+def planned_memory(model: str, target: Path, base, bits=None) -> str:
+    """`0.45 GB at 8-bit`: what the pulled head will take once loaded at `bits` (default:
+    follow the model's trunk), by arithmetic on its config and stored dtype; "" when unknown."""
+    from speculative import heads, precision
+    from speculative.tensors import checkpoint_files, read_header
+
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        model_config = _json_object(folder / "config.json") or {}
+    else:
+        found = heads.Hub(_notify).file(model, "config.json")
+        model_config = (_json_object(found) or {}) if found else {}
+    text = model_config.get("text_config", model_config)
+    if base is None:
+        files = {n: f for n, f in checkpoint_files(target).items() if n.endswith("mtp.fc.weight")}
+    else:
+        text = (_json_object(target / "config.json") or {}).get("text_config") or text
+        files = {"mtp.fc.weight": target / "mtp.safetensors"}
+    try:
+        (name, path), = files.items()
+        itemsize, dtype = _FLOATS[read_header(path)[name]["dtype"]]  # a head stored quantized: not planned here
+        chosen = precision.head_bits(bits, model_config.get("quantization"))
+        n = precision.planned_bytes(text, chosen, itemsize)
+    except (DynoError, KeyError, ValueError, TypeError):
+        return ""
+    label = f"{chosen}-bit" if chosen != 16 else dtype
+    return f"{precision.format_bytes(n)} at {label}"
 
 
 def pull_head(model: str, mtp_base=None, notify=_notify):

@@ -267,8 +267,11 @@ def _models_tab(s: Sessions, chat: dict) -> dict:
     table = gr.Dataframe(headers=["model", "type", "MTP head"], interactive=False, elem_id="models-table",
                          wrap=True)
     with gr.Row():
-        load = gr.Button("Load model", variant="primary", elem_id="load-model")
-        fetch = gr.Button("Fetch head", elem_id="fetch-head")
+        # auto: the head follows the trunk (stored precision; 8-bit with a quantized trunk on Metal/CUDA)
+        bits = gr.Radio(["auto", "16", "8", "4"], value="auto", label="MTP head precision (bits)",
+                        elem_id="head-bits", scale=2)
+        load = gr.Button("Load model", variant="primary", elem_id="load-model", scale=1)
+        fetch = gr.Button("Fetch head", elem_id="fetch-head", scale=1)
     status = gr.Markdown(elem_id="models-status")
 
     # The last listing, shown to every page that opens; Scan and Fetch read the disk (and maybe the
@@ -293,38 +296,39 @@ def _models_tab(s: Sessions, chat: dict) -> dict:
             time.sleep(0.2)
         return future.result()
 
-    def do_load(path, progress=gr.Progress()):
+    def do_load(path, bits, progress=gr.Progress()):
         if not path:
             raise gr.Error("Type or pick a model folder")
         notes: List[str] = []
         progress(0, desc="queued behind running generations")
         try:
-            lm = wait(s.load(path, notes.append), progress, f"loading {path}", notes)
+            lm = wait(s.load(path, notes.append, bits), progress, f"loading {path}", notes)
         except DynoError as e:
             _fail(e)
         d = s.defaults()
         return (f"Loaded {lm.path.name}.", s.describe(), d.temperature, d.top_p, d.top_k, d.min_p,
                 s.served.worker.spec.draft_depth)
 
-    def do_fetch(path, progress=gr.Progress()):
+    def do_fetch(path, bits, progress=gr.Progress()):
         if not path:
             raise gr.Error("Type or pick a model folder")
         try:
             notes: List[str] = []
-            target, base = wait(s.fetch_head(path, notes.append), progress, f"fetching the head for {path}", notes)
+            target, base, memory = wait(s.fetch_head(path, notes.append, bits), progress,
+                                        f"fetching the head for {path}", notes)
         except DynoError as e:
             _fail(e)
         msg = f"{target} carries its own head." if base is None else f"Head of {base} cached in `{target}`."
-        return msg, rows(path)
+        return msg + (f" In memory: {memory}." if memory else ""), rows(path)
 
     refresh.click(scan, [folder], [table, current])
     def pick(evt: gr.SelectData):
         return evt.row_value[0] if evt.row_value else gr.skip()
 
     table.select(pick, None, folder)
-    load.click(do_load, [folder], [status, current, chat["temperature"], chat["top_p"], chat["top_k"],
+    load.click(do_load, [folder, bits], [status, current, chat["temperature"], chat["top_p"], chat["top_k"],
                                   chat["min_p"], chat["depth"]])
-    fetch.click(do_fetch, [folder], [status, table])
+    fetch.click(do_fetch, [folder, bits], [status, table])
     return {"current": current, "table": table, "list": first_rows}
 
 

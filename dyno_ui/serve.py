@@ -123,6 +123,10 @@ def run(args) -> int:
         raise DynoError(f"--max-tokens-default must be at least 1, got {args.max_tokens_default}")
     if args.draft_depth != "auto":
         SpecConfig(args.speculative, args.draft_depth)  # validate before loading anything
+    SpecConfig(draft_vocab=args.draft_vocab)
+    from speculative.precision import parse_head_bits
+
+    parse_head_bits(getattr(args, "mtp_head_bits", None))  # before loading anything
     batched = args.decode_concurrency > 1
     if args.speculative == "mtp" and batched:
         raise DynoError("--speculative mtp drafts one request at a time; with --decode-concurrency above 1 "
@@ -135,9 +139,9 @@ def run(args) -> int:
         from speculative.tuning import resolve_depth
 
         lm = load_model(path, mode=mode, mtp_head=args.mtp_head, mtp_base=getattr(args, "mtp_base", None),
-                        notify=notify)
+                        notify=notify, head_bits=getattr(args, "mtp_head_bits", None))
         depth = resolve_depth(lm, args.draft_depth) if lm.head is not None else SpecConfig().draft_depth
-        return lm, SpecConfig(mode, depth)
+        return lm, SpecConfig(mode, depth, args.draft_vocab)
 
     worker = EngineWorker(load, decode_concurrency=args.decode_concurrency)
     lm = worker.start()  # notices were printed while loading

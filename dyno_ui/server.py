@@ -46,7 +46,8 @@ def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
 
     @app.get("/stats")
     def stats():
-        return metrics.stats_json()
+        memory = served.lm.head_memory  # the model served now (the Models tab can swap it)
+        return {**metrics.stats_json(), "mtp_head": memory.as_json() if memory else None}
 
     @app.get("/metrics")
     def prometheus():

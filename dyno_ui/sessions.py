@@ -130,15 +130,18 @@ class Sessions:
         extra = [Path(f).expanduser() for f in folders if f]
         return local_models(extra, notify=lambda m: None)
 
-    def load(self, path: str, notify: Callable[[str], None]):
-        """A Future of the model at `path` replacing the served one (loaded on the engine thread)."""
+    def load(self, path: str, notify: Callable[[str], None], head_bits=None):
+        """A Future of the model at `path` replacing the served one (loaded on the engine thread), its
+        head kept at `head_bits` (16, 8, 4; None or "auto": follow the trunk)."""
         from speculative.loader import load_model
+        from speculative.precision import parse_head_bits
         from speculative.tuning import resolve_depth
 
+        parse_head_bits(head_bits)  # a bad value fails here, not on the engine thread
         folder = Path(path).expanduser()
 
         def load():
-            lm = load_model(folder, mode="auto", notify=notify)
+            lm = load_model(folder, mode="auto", notify=notify, head_bits=head_bits)
             depth = resolve_depth(lm, "auto") if lm.head is not None else SpecConfig().draft_depth
             return lm, SpecConfig("auto", depth)
 
@@ -158,15 +161,22 @@ class Sessions:
         future.add_done_callback(swapped)
         return future
 
-    def fetch_head(self, path: str, notify: Callable[[str], None]):
-        """A Future of (head folder, base repo) for the model at `path` (fetched on the engine thread)."""
-        from .head_cli import pull_head
+    def fetch_head(self, path: str, notify: Callable[[str], None], head_bits=None):
+        """A Future of (head folder, base repo, memory it takes at `head_bits`) for the model at `path`
+        (fetched on the engine thread)."""
+        from .head_cli import planned_memory, pull_head
 
-        return self.served.worker.call(lambda: pull_head(path, None, notify))
+        def fetch():
+            target, base = pull_head(path, None, notify)
+            return target, base, planned_memory(path, target, base, head_bits)
+
+        return self.served.worker.call(fetch)
 
     def describe(self) -> str:
         """The current model, its head, drafting depth and memory, as Markdown."""
         import mlx.core as mx
+
+        from speculative.precision import format_bytes
 
         lm, worker = self.lm, self.served.worker
         try:
@@ -175,6 +185,7 @@ class Sessions:
         except Exception:
             mlx_mem = "MLX memory: engine busy"
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
-        head = f"MTP head from `{lm.head_source}`, draft depth {worker.spec.draft_depth}" if lm.head is not None \
-            else "no MTP head: plain decoding"
+        memory = lm.head_memory
+        head = (f"MTP head: {format_bytes(memory.bytes)}, {memory.precision}, from `{memory.source}`, draft depth "
+                f"{worker.spec.draft_depth}") if memory is not None else "no MTP head: plain decoding"
         return f"**{lm.path.name}** · `{lm.path}`  \n{head}  \n{mlx_mem} · process peak RSS {rss:.0f} MiB"

@@ -11,6 +11,8 @@ from .backend import widen_experts
 from .errors import DynoError, one_line
 from .heads import resolve_head
 from .mtp import MTPHead, build_head
+from . import precision
+from .precision import HeadMemory
 from .target import Target
 
 DENSE_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -32,6 +34,7 @@ class LoadedModel:
     head_source: Optional[str]
     notices: List[str] = field(default_factory=list)
     generation_config: dict = field(default_factory=dict)
+    head_memory: Optional[HeadMemory] = None  # bytes, precision and source of the head in memory
 
     @property
     def text_config(self) -> dict:
@@ -66,12 +69,14 @@ def _read_json(path: Path, what: str) -> dict:
 
 
 def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_base: Optional[str] = None,
-               notify: Optional[Callable[[str], None]] = None) -> LoadedModel:
+               notify: Optional[Callable[[str], None]] = None, head_bits=None) -> LoadedModel:
     """Load `path` with mlx-lm; attach its MTP head unless mode is "off".
 
-    `notify` receives notices while loading (e.g. before a head download); they are also kept
-    in `notices`.
+    `notify` receives notices while loading (e.g. before a head download, and the head's
+    `MTP head: ...` memory line); they are also kept in `notices`. `head_bits` (16, 8, 4, or
+    None/"auto": follow the trunk, see precision.py) is the precision the head is kept at.
     """
+    precision.parse_head_bits(head_bits)  # a bad value fails before anything loads
     path = Path(path).expanduser()
     if not path.exists():
         raise DynoError(f"model path not found: {path}")
@@ -110,20 +115,19 @@ def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_bas
     if family:
         lm.target = Target(model)
     if mode != "off" and family:
-        _attach_head(lm, mode, mtp_head, mtp_base, note)
-        if lm.head is not None:
-            widen_experts(lm.head)
+        _attach_head(lm, mode, mtp_head, mtp_base, note, head_bits)
     if mode == "auto" and lm.head is None and not any("without drafts" in n for n in lm.notices):
         reason = "it is not a Qwen3.5-family model" if not family else "it has no MTP head"
         note(f"dyno: decoding without drafts: {path.name}: {reason}")
     return lm
 
 
-def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: Optional[str], note) -> None:
+def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: Optional[str], note,
+                 bits=None) -> None:
     """Find the head (see heads.resolve_head), check it fits, build it; a head that cannot be
     used is a notice in "auto" and one DynoError line in "mtp", never a traceback."""
     try:
-        _find_and_build_head(lm, mode, mtp_head, mtp_base, note)
+        _find_and_build_head(lm, mode, mtp_head, mtp_base, note, bits)
         return
     except DynoError as e:
         error = e
@@ -136,7 +140,7 @@ def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: 
 
 
 def _find_and_build_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: Optional[str],
-                         note) -> None:
+                         note, bits=None) -> None:
     """Resolve the head, check it fits the trunk and set lm.head; raises DynoError when it cannot."""
     weights = resolve_head(lm.path, lm.config, note, mtp_head, mtp_base)
     if weights is None:
@@ -147,8 +151,16 @@ def _find_and_build_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mt
             )
         return
     _check_vocab(lm, weights)
-    lm.head = build_head(lm.target.args, weights, lm.config.get("quantization"))
+    quantization = lm.config.get("quantization")
+    lm.head = build_head(lm.target.args, weights, quantization, precision.head_bits(bits, quantization))
+    widen_experts(lm.head)  # before measuring it: float32 experts where bf16 has no kernel
     lm.head_source = weights.source
+    lm.head_memory = precision.head_memory(lm.head, weights.source)
+    requested = precision.parse_head_bits(bits)
+    if requested is not None and requested != lm.head_memory.bits:  # stored quantized: no bits to add back
+        note(f"dyno: the MTP head in {weights.source} is stored {lm.head_memory.precision}; "
+             f"kept so, not at the {requested} bits asked for")
+    note(lm.head_memory.line())
 
 
 def _cause(e: Exception) -> str:

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .errors import DynoError
+from .precision import quantize_head
 from .tensors import INDEX, checkpoint_files, read_header, read_tensors
 
 HEAD_FORMAT = "dyno-mtp-head"
@@ -270,8 +271,9 @@ def is_moe_head(tensors: Dict[str, mx.array]) -> bool:
     return any(".mlp.gate.weight" in k or ".experts." in k or ".switch_mlp." in k for k in tensors)
 
 
-def build_head(args, weights: HeadWeights, quantization: Optional[dict] = None) -> MTPHead:
-    """Make an MTPHead for a trunk with `args` and load `weights`, checking every shape and dtype."""
+def build_head(args, weights: HeadWeights, quantization: Optional[dict] = None, bits: int = 16) -> MTPHead:
+    """Make an MTPHead for a trunk with `args` and load `weights`, checking every shape and dtype;
+    then keep it at `bits` (precision.quantize_head; a head stored quantized stays as stored)."""
     try:
         tensors = sanitize_moe(weights.shifted(), quantization)
     except ValueError as e:  # unstackable or unsplittable experts (mx.stack / mx.dequantize raise it too)
@@ -308,6 +310,8 @@ def build_head(args, weights: HeadWeights, quantization: Optional[dict] = None) 
         raise DynoError(f"MTP head in {weights.source} has unexpected tensors: mtp.{unexpected[0]}")
     _check_values(tensors, expected, weights.source)
     head.load_weights(list(tensors.items()), strict=True)
+    if not any(k.endswith(".scales") for k in tensors):
+        quantize_head(head, bits)  # at load, from the float tensors: the cache keeps those
     head.eval()
     mx.eval(head.parameters())
     return head
