@@ -30,24 +30,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the original repository to take the head from (default: from the model card)")
 
 
-def _depth(value: str):
-    """argparse type for --draft-depth: "auto" or an integer (range checked by SpecConfig)."""
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {value!r}") from None
+def _int_or(word: str, value_for_word, what: str):
+    """An argparse type: `word` (read as `value_for_word`) or an integer (range checked by SpecConfig)."""
+
+    def parse(value: str):
+        if value == word:
+            return value_for_word
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what} or {word}, got {value!r}") from None
+
+    return parse
 
 
-def _vocab(value: str):
-    """argparse type for --draft-vocab: "full" (None) or a token count (checked by SpecConfig)."""
-    if value == "full":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of tokens or full, got {value!r}") from None
+_depth = _int_or("auto", "auto", "an integer")  # --draft-depth
+_vocab = _int_or("full", None, "a number of tokens")  # --draft-vocab: full is no restriction (None)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,6 +27,15 @@ GROUP_SIZE = 64
 # stored precision. GPU (Metal, CUDA): 8-bit, from reported figures (a 27B head 0.85 -> 0.45 GB,
 # acceptance within a point of bf16), not measured here.
 QUANTIZED_TRUNK_DEFAULT = {"cpu": 16, "gpu": 8}
+# The text_config values a head's shapes depend on, shared by Qwen3.5-27B, Qwen3.6-27B and
+# Qwen3.8-27B (mtp-reference.md; intermediate_size 17408 from their config.json): the published
+# sizes that the README's byte table and its test are computed for.
+QWEN_27B = dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+                linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, mtp_num_hidden_layers=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25})
 
 
 def parse_head_bits(value) -> Optional[int]:

@@ -25,22 +25,14 @@ from speculative.engine import Speculator, generate
 from speculative.events import Round, Token
 from speculative.loader import load_model
 from speculative.mtp import MTPHead
-from speculative.precision import (HEAD_BITS, HeadMemory, default_head_bits, module_bytes, planned_bytes,
-                                   quantize_head)
+from speculative.precision import (HEAD_BITS, QWEN_27B, HeadMemory, default_head_bits, module_bytes,
+                                   planned_bytes, quantize_head)
 from speculative.tensors import read_header
 from test_distribution import FALSE_ALARM, chi_square, exact_joint, sample_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "assets" / "dyno-tiny"
 REPO = "org/original"
-# Qwen3.5-27B, Qwen3.6-27B and Qwen3.8-27B share these text_config values (mtp-reference.md;
-# intermediate_size 17408 from their config.json); the head is stored in bf16.
-QWEN_27B = dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
-                linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
-                rms_norm_eps=1e-6, tie_word_embeddings=False, mtp_num_hidden_layers=1,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25})
 
 
 # ---- the policy and the arithmetic, no weights ----

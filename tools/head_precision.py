@@ -41,16 +41,8 @@ import mlx.core as mx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative.bench import _interleaved  # noqa: E402
 from speculative.loader import load_model  # noqa: E402
-from speculative.precision import HEAD_BITS, planned_bytes  # noqa: E402
+from speculative.precision import HEAD_BITS, QWEN_27B, planned_bytes  # noqa: E402
 
-# Qwen3.5-27B / Qwen3.6-27B / Qwen3.8-27B text_config values the head's shapes depend on
-# (docs/mtp-reference.md; intermediate_size 17408 from their config.json).
-QWEN_27B = dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
-                linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
-                rms_norm_eps=1e-6, tie_word_embeddings=False, mtp_num_hidden_layers=1,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25})
 
 
 def main() -> None:
