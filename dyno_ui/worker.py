@@ -105,7 +105,7 @@ class Job:
     spec: Optional[SpecConfig] = None  # None: the worker's; drafting still needs a head and serial mode
     trace: bool = False  # also send Traced engine events (before the text of each token)
     lm: Optional[LoadedModel] = None  # the model the request was checked against; must be the one served
-    error: Optional[Exception] = None  # set when its sampler or processors raised inside a batch
+    error: Optional[Exception] = None  # set when its sampler, processors or output raised inside a batch
 
     def cancel(self) -> None:
         """Ask the worker to stop this job at the next round (or drop it if it has not started)."""

@@ -6,7 +6,6 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler

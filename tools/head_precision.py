@@ -104,7 +104,7 @@ def linears_27b(reps: int) -> None:
     from speculative.precision import GROUP_SIZE
 
     h, i = QWEN_27B["hidden_size"], QWEN_27B["intermediate_size"]
-    builds, inputs = {}, []
+    builds = {}
     for name, (out, inp) in {"fc": (h, 2 * h), "mlp.gate_proj": (i, h), "mlp.down_proj": (h, i)}.items():
         linear = nn.Linear(inp, out, bias=False)
         linear.set_dtype(mx.bfloat16)
