@@ -189,8 +189,7 @@ def test_models_tab_opens_listing_the_bundled_model_once(page):
     from dyno_ui.models import BUNDLED_MODEL
 
     page.get_by_role("tab", name="Models").click()
-    if not (BUNDLED_MODEL / "config.json").exists():
-        pytest.skip("the bundled model is not installed")
+    assert (BUNDLED_MODEL / "config.json").exists(), "the bundled model ships with the repository"
     page.wait_for_function("(document.querySelector('#models-table')?.innerText || '').includes('in checkpoint')")
     assert table_text(page).count(str(BUNDLED_MODEL)) == 1, table_text(page)
 
