@@ -9,25 +9,22 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
 def main(argv=None) -> int:
-    from dyno_ui.cli import _add_model_args
-    from dyno_ui.serve import run
+    from dyno_ui.cli.common import add_model_args, model_options
+    from dyno_ui.options import ServeOptions
+    from dyno_ui.server.run import run
+    from speculative.errors import DynoError
 
     parser = argparse.ArgumentParser(prog="app.py", description="The Dyno playground (Gradio) and OpenAI API.")
-    _add_model_args(parser)
+    add_model_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", 7860)),
                         help="port (default: $PORT or %(default)s; 0 picks a free one)")
     args = parser.parse_args(argv)
-    args.decode_concurrency, args.max_tokens_default, args.ui_front = 1, 512, True
     try:
-        return run(args)
-    except Exception as e:
-        from speculative.errors import DynoError
-
-        if isinstance(e, DynoError):
-            print(f"dyno: error: {e.message}", file=sys.stderr)
-            return 2
-        raise
+        return run(ServeOptions(model=model_options(args), host=args.host, port=args.port, ui_front=True))
+    except DynoError as e:
+        print(f"dyno: error: {e.message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -42,6 +42,21 @@ class GDNTape:
         return self.states if self.states is not None else range(self.replay[0].shape[1])
 
 
+def snapshot(cache: List[Any]) -> list:
+    """What `restore` needs to rewind `cache` to now: offsets of attention caches, references to
+    the GDN arrays (MLX arrays are immutable, so references are a copy)."""
+    return [(c.offset,) if hasattr(c, "offset") else (c[0], c[1]) for c in cache]
+
+
+def restore(cache: List[Any], snap: list) -> None:
+    """Rewind `cache` to the `snapshot` taken from it (attention caches only ever grew since)."""
+    for c, s in zip(cache, snap):
+        if hasattr(c, "offset"):
+            c.trim(c.offset - s[0])
+        else:
+            c[0], c[1] = s
+
+
 def rollback(trunk_cache: List[Any], tapes: List[GDNTape], fed: int, consumed: int) -> None:
     """After verifying `fed` tokens keep only the first `consumed` of them in every trunk cache."""
     if consumed == fed:

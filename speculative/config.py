@@ -75,6 +75,21 @@ class SamplingParams:
                 bad(f"seed must be an integer, got {self.seed!r}")
             object.__setattr__(self, "seed", self.seed % SEED_RANGE)
 
+    @classmethod
+    def from_generation_config(cls, generation_config: Mapping, **given) -> "SamplingParams":
+        """Values `given` (None: not given) over the model's generation_config.json over greedy.
+
+        A config with `do_sample: false` asks for greedy decoding: its sampling values are ignored.
+        """
+        gc = generation_config if generation_config.get("do_sample", True) else {}
+        values = {}
+        for name, cast in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float)):
+            value = given.pop(name, None)
+            value = gc.get(name) if value is None else value
+            if value is not None:
+                values[name] = cast(value)
+        return cls(**values, **{k: v for k, v in given.items() if v is not None})
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

@@ -325,11 +325,20 @@ def resolve_head(model_folder: Path, config: dict, notify: Notify, mtp_head: Opt
     cached = cached_head_path(base)
     if cached.exists():
         return read_cached_head(cached)
-    head = extract_from_hf_cache(base, hub)
-    if head is None:
-        if offline():
-            raise _offline_error(model_folder, [base])
-        head = download_head(base, hub)
-    text_config = config.get("text_config", config)
-    write_head_folder(cached, head, text_config, extra={"base_model": base})
+    cache_head(base, hub, lambda: config.get("text_config", config), lambda: _offline_error(model_folder, [base]))
     return read_head_folder(cached)
+
+
+def cache_head(base: str, hub: Hub, text_config: Callable[[], dict],
+               offline_error: Callable[[], DynoError]) -> Path:
+    """The cached head folder of `base`, extracted from the Hugging Face cache or downloaded first
+    when it is not there yet (`offline_error` when HF_HUB_OFFLINE forbids the download)."""
+    target = cached_head_path(base)
+    if not target.exists():
+        head = extract_from_hf_cache(base, hub)
+        if head is None:
+            if offline():
+                raise offline_error()
+            head = download_head(base, hub)
+        write_head_folder(target, head, text_config(), extra={"base_model": base})
+    return target

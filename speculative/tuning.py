@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from .bench import cost_model, speedup_bound
+from .cost_model import cost_model, speedup_bound
 from .config import MAX_DRAFT_DEPTH
 from .heads import cache_root
 from .loader import LoadedModel

@@ -10,10 +10,10 @@ import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from dyno_ui.completions import ServedModel
-from dyno_ui.serve import listen
-from dyno_ui.server import create_app
-from dyno_ui.worker import EngineWorker
+from dyno_ui.runtime.served import ServedModel
+from dyno_ui.server.run import listen
+from dyno_ui.server.app import create_app
+from dyno_ui.runtime.worker import EngineWorker
 from speculative.config import SpecConfig
 from speculative.loader import load_model
 

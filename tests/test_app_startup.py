@@ -19,7 +19,7 @@ URL = re.compile(r"https?://\S+")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from dyno_ui.models import BUNDLED_MODEL
+    from dyno_ui.paths import BUNDLED_MODEL
 
     if (BUNDLED_MODEL / "config.json").exists():
         return BUNDLED_MODEL
@@ -67,7 +67,7 @@ def test_app_prints_the_playground_url_last_and_it_opens(model_dir):
 
 
 def test_dyno_serve_keeps_its_api_line_first_and_names_the_playground_last():
-    from dyno_ui.serve import startup_lines
+    from dyno_ui.server.run import startup_lines
 
     lines = startup_lines("dyno-tiny", "MTP drafting, depth 3", "http://127.0.0.1:8080", ui=True, ui_front=False)
     assert lines == ["dyno: serving dyno-tiny at http://127.0.0.1:8080/v1 (MTP drafting, depth 3)",

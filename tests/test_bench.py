@@ -11,7 +11,8 @@ import pytest
 
 import mlx.core as mx
 
-from speculative.bench import _interleaved, paired_benchmark, speedup_bound, summarize
+from speculative.bench import paired_benchmark, summarize
+from speculative.cost_model import interleaved, speedup_bound
 from speculative.config import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +36,7 @@ def test_cost_timings_are_round_robin_bursts():
             return mx.array(0)
         return build
 
-    t = _interleaved({"a": builder("a", 0.01), "b": builder("b", 0.03)}, reps=3, burst=2)
+    t = interleaved({"a": builder("a", 0.01), "b": builder("b", 0.03)}, reps=3, burst=2)
     assert calls == ["a", "b"] * 2 + ["a"] * 6 + ["b"] * 6 + ["a"] * 6 + ["b"] * 6 + ["a"] * 6 + ["b"] * 6
     assert 0.007 <= t["a"] < 0.015 and 0.025 <= t["b"] < 0.045  # seconds per call, not per burst
 

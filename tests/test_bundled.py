@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import plain_greedy
-from dyno_ui.models import BUNDLED_MODEL
+from dyno_ui.paths import BUNDLED_MODEL
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.events import Round, Token

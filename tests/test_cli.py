@@ -11,7 +11,7 @@ import pytest
 
 import tiny_models
 from conftest import plain_greedy
-from dyno_ui.cli import sampling_from
+from dyno_ui.cli.generate import sampling_from
 
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY = re.compile(r"^MTP: (\d+) tokens in (\d+) rounds \((\d+\.\d\d) per round\), (\d+)/(\d+) drafts accepted$")

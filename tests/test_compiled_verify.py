@@ -5,19 +5,19 @@ from functools import partial
 import mlx.core as mx
 import pytest
 
-from speculative.bench import _restore, _snapshot
+from speculative.cache import restore, snapshot
 from speculative.target import Target, _linear_layer
 
 
 def verify_twice(target, tokens, cache):
     """The first call per token count probes; the second runs whichever path the probe chose."""
-    outs, snap = [], _snapshot(cache)
+    outs, snap = [], snapshot(cache)
     for _ in range(2):
         logits, hidden, tapes = target.verify(tokens, cache)
         outs.append((logits, hidden, [t.states for t in tapes], [t.conv_input for t in tapes],
                      [x for c in cache for x in (c.state if c.is_trimmable() else c.cache)]))
         mx.eval(outs[-1])  # before the rewind below writes over the caches
-        _restore(cache, snap)  # so that both calls see the same context
+        restore(cache, snap)  # so that both calls see the same context
     return outs
 
 

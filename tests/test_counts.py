@@ -11,10 +11,10 @@ from speculative.engine import generate
 from speculative.loader import load_model
 from speculative.events import Round, Token
 from speculative.stats import GenerationStats
-from dyno_ui.models import BUNDLED_MODEL
-from dyno_ui.textstream import TextAssembler
-from dyno_ui.trace import Trace
-from dyno_ui.worker import Job
+from dyno_ui.paths import BUNDLED_MODEL
+from dyno_ui.runtime.textstream import TextAssembler
+from dyno_ui.playground.trace import Trace
+from dyno_ui.runtime.worker import Job
 
 
 def check_invariants(stats: GenerationStats):

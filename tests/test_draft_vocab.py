@@ -51,7 +51,7 @@ def test_greedy_output_is_plain_greedy_with_a_draft_vocabulary(tiny_lm, name, si
 
 
 def test_the_bundled_head_still_drafts_well_from_half_its_vocabulary():
-    from dyno_ui.models import BUNDLED_MODEL
+    from dyno_ui.paths import BUNDLED_MODEL
     from speculative.loader import load_model
     from speculative.stats import GenerationStats
 

@@ -11,8 +11,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
 from conftest import plain_greedy
-from dyno_ui.textstream import TextAssembler
-from dyno_ui.worker import Failed, Finished, Job, _greedy_row, _guarded
+from dyno_ui.runtime.textstream import TextAssembler
+from dyno_ui.runtime.outputs import Failed, Finished
+from dyno_ui.runtime.worker import Job, greedy_row, guarded
 from serving import MODEL_ID, detokenize, running_server
 from speculative.bench import run_mlx_lm
 from speculative.config import SamplingParams, SpecConfig
@@ -94,7 +95,7 @@ def test_a_sampler_that_raises_inside_a_batch_fails_only_its_row(tiny_lm):
     lm = tiny_lm("tied-gqa2", mode="off")
     bad_job = Job([], SamplingParams(), None, lambda _: None)
     # mlx-lm's own top-k with k past the vocabulary raises when the step is built.
-    bad = _guarded(make_sampler(1.0, top_k=lm.vocab_size + 5), bad_job, _greedy_row)
+    bad = guarded(make_sampler(1.0, top_k=lm.vocab_size + 5), bad_job, greedy_row)
     good_prompt = lm.tokenizer.encode(PROMPT)
     batch = BatchGenerator(lm.model, stop_tokens=[[t] for t in lm.eos_token_ids])
     good_uid, bad_uid = batch.insert([good_prompt, lm.tokenizer.encode("x")], max_tokens=[10, 10],
@@ -180,14 +181,13 @@ def test_developer_role_is_system_and_reasoning_is_replayed(tiny_dir, tiny_lm):
     with running_server(tiny_dir(), SpecConfig("auto", 2)) as server:
         served = server.served
         captured = []
-        original = served.chat_job
+        original = served.worker.submit
 
-        def spy(req, sink):
-            model_id, job = original(req, sink)
+        def spy(job):
             captured.append(job.prompt)
-            return model_id, job
+            return original(job)
 
-        served.chat_job = spy
+        served.worker.submit = spy
         history = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"},
                    {"role": "assistant", "content": "hello", "reasoning_content": "greet back"},
                    {"role": "user", "content": "more"}]
@@ -210,7 +210,7 @@ def test_template_kwargs_that_change_the_result_are_refused(tiny_dir, kwargs):
 
 
 def test_a_model_load_while_requests_arrive_serves_each_with_one_model(tiny_dir, tiny_lm):
-    from dyno_ui.sessions import Sessions
+    from dyno_ui.playground.sessions import Sessions
 
     old, new = tiny_lm("tied-gqa2"), tiny_lm("untied-mha")
     ids = old.tokenizer.encode(PROMPT)  # both tiny models share the byte tokenizer
@@ -264,7 +264,7 @@ def test_a_job_checked_against_a_replaced_model_is_refused(tiny_dir, tiny_lm):
 
 
 def test_a_batched_request_whose_sampler_raises_fails_alone(tiny_dir, tiny_lm, monkeypatch):
-    import dyno_ui.worker as worker_module
+    import dyno_ui.runtime.worker as worker_module
     from speculative.sampling import plain_sampler
 
     def sampler_for(params, vocab):  # the request with seed 13 gets mlx-lm's top-k past the vocabulary

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dyno_ui.head_cli import local_models
-from dyno_ui.models import BUNDLED_MODEL
+from dyno_ui.paths import BUNDLED_MODEL, local_folders
+from speculative.head_store import local_models
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").exists(), reason="needs the bundled model")
@@ -31,7 +31,7 @@ def test_the_bundled_model_is_listed_once_however_it_is_spelled(tmp_path, monkey
     link.symlink_to(BUNDLED_MODEL)
     monkeypatch.chdir(ROOT)
     spellings = [BUNDLED_MODEL, Path("assets/dyno-tiny"), Path(f"{BUNDLED_MODEL}/."), link]
-    rows = local_models(spellings, notify=lambda m: None)
+    rows = local_models(local_folders(spellings), notify=lambda m: None)
     bundled = [r for r in rows if Path(r[0]).resolve() == BUNDLED_MODEL.resolve()]
     assert bundled == [(str(BUNDLED_MODEL), "qwen3_5", "in checkpoint")]
 

@@ -251,7 +251,7 @@ def test_broken_cached_head_names_the_fix(tiny_dir, headless, tmp_path, monkeypa
 
 
 def test_head_list_shows_a_broken_cached_head(tiny_dir, tmp_path, monkeypatch, capsys):
-    from dyno_ui.head_cli import cmd_head_list
+    from dyno_ui.cli.heads import cmd_head_list
 
     monkeypatch.setenv("DYNO_CACHE", str(tmp_path / "dyno"))
     cached = head_folder(tiny_dir(), cached_head_path("org/original"))

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from dyno_ui.models import BUNDLED_MODEL
+    from dyno_ui.paths import BUNDLED_MODEL
 
     if (BUNDLED_MODEL / "config.json").exists():
         return BUNDLED_MODEL
@@ -36,9 +36,9 @@ def url(model_dir):
     """`python app.py`'s app (API + playground in front) on a free port, in this process."""
     from serving import serving_in_thread
 
-    from dyno_ui.completions import ServedModel
-    from dyno_ui.serve import make_app
-    from dyno_ui.worker import EngineWorker
+    from dyno_ui.runtime.served import ServedModel
+    from dyno_ui.server.run import make_app
+    from dyno_ui.runtime.worker import EngineWorker
     from speculative.config import SpecConfig
     from speculative.loader import load_model
 
@@ -94,7 +94,7 @@ def wait_for_stats(page, pattern: str, selector="#stats") -> str:
 
 
 def test_chat_streams_coloured_drafts_charts_and_stats(page, shots):
-    from dyno_ui.playground import EXAMPLES
+    from dyno_ui.playground.ui import EXAMPLES
 
     page.locator("#chat-input textarea").fill(EXAMPLES[1])  # what a visitor clicks first
     page.locator("#send").click()
@@ -157,7 +157,7 @@ def test_enter_sends_the_message(page):
 
 
 def test_examples_fill_the_chat_box_and_the_note_names_the_models_tab(page):
-    from dyno_ui.playground import EXAMPLES
+    from dyno_ui.playground.ui import EXAMPLES
 
     assert "Models tab" in page.locator("#bundled-note").inner_text()
     clear_chat(page)
@@ -168,7 +168,7 @@ def test_examples_fill_the_chat_box_and_the_note_names_the_models_tab(page):
 
 
 def test_compare_race_is_identical_at_temperature_zero(page, shots):
-    from dyno_ui.playground import EXAMPLES
+    from dyno_ui.playground.ui import EXAMPLES
 
     page.get_by_role("tab", name="Compare").click()
     assert page.locator("#compare-prompt textarea").input_value() == EXAMPLES[0]  # a prompt dyno-tiny handles
@@ -186,7 +186,7 @@ def table_text(page) -> str:
 
 
 def test_models_tab_opens_listing_the_bundled_model_once(page):
-    from dyno_ui.models import BUNDLED_MODEL
+    from dyno_ui.paths import BUNDLED_MODEL
 
     page.get_by_role("tab", name="Models").click()
     assert (BUNDLED_MODEL / "config.json").exists(), "the bundled model ships with the repository"

@@ -2,9 +2,9 @@
 
 from speculative.events import Done, Provenance, Round, Token
 
-from dyno_ui import charts, render
-from dyno_ui.trace import Trace
-from dyno_ui.worker import Finished, TextDelta, Traced
+from dyno_ui.playground import charts, render
+from dyno_ui.playground.trace import Trace
+from dyno_ui.runtime.outputs import Finished, TextDelta, Traced
 
 
 def traced(rounds=((3, 2), (3, 3))) -> Trace:

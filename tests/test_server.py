@@ -7,7 +7,7 @@ import pytest
 
 from conftest import plain_greedy
 from dyno_ui import cli
-from dyno_ui.openai_schema import ChatCompletionRequest
+from dyno_ui.server.openai.schema import ChatCompletionRequest
 from serving import MODEL_ID, detokenize, running_server, split_think
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate

@@ -65,7 +65,7 @@ def test_estimate_weighs_depths_by_the_heads_measured_acceptance(monkeypatch, tm
     """`auto` without a stored tune (on the bundled model, whose head is trained) stores and uses the
     head's own acceptance from a short greedy run: per position, the share of rounds that kept a draft
     there, here replayed by hand from the drafts and plain greedy; the depth is best_by_cost on it."""
-    from dyno_ui.models import BUNDLED_MODEL
+    from dyno_ui.paths import BUNDLED_MODEL
     from speculative.loader import load_model
     from speculative.tuning import ESTIMATE_PROMPT, PRIOR_DECAY, PRIOR_FIRST, resolve_depth
 

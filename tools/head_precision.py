@@ -39,7 +39,7 @@ import sys
 import mlx.core as mx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from speculative.bench import _interleaved  # noqa: E402
+from speculative.cost_model import interleaved  # noqa: E402
 from speculative.loader import load_model  # noqa: E402
 from speculative.precision import HEAD_BITS, QWEN_27B, planned_bytes  # noqa: E402
 
@@ -84,7 +84,7 @@ def main() -> None:
 
         builds[("head", bits)] = head_only
         builds[("draft", bits)] = draft
-    t = {key: v * 1e3 for key, v in _interleaved(builds, args.reps).items()}
+    t = {key: v * 1e3 for key, v in interleaved(builds, args.reps).items()}
     print(f"{args.model} on {mx.default_device()}, MLX {mx.__version__}")
     print(f"{'bits':>4} {'head bytes':>11} {'head ms':>8} {'vs 16':>6} {'draft step ms':>14} {'vs 16':>6}")
     for bits, m in models.items():
@@ -113,7 +113,7 @@ def linears_27b(reps: int) -> None:
         mx.eval(x, [m.parameters() for m in layers.values()])
         for bits, m in layers.items():
             builds[(name, bits)] = lambda m=m, x=x: m(x)
-    t = {key: v * 1e3 for key, v in _interleaved(builds, reps).items()}
+    t = {key: v * 1e3 for key, v in interleaved(builds, reps).items()}
     print(f"27B head shapes, one row, on {mx.default_device()}, MLX {mx.__version__}")
     for name in dict.fromkeys(n for n, _ in t):
         print(f"  {name:14} " + "  ".join(f"{b}-bit {t[(name, b)]:7.2f} ms ({t[(name, b)] / t[(name, 16)]:.1f}x)"
@@ -122,8 +122,7 @@ def linears_27b(reps: int) -> None:
 
 def teacher_forced(model: str, max_tokens: int = 200) -> None:
     """Position-1 acceptance of each head precision at every generated position of the same texts."""
-    from dyno_ui.bench_cli import _encode
-    from dyno_ui.bench_suites import SUITES
+    from speculative.suites import SUITES, encode
     from speculative.bench import run_mlx_lm
     from speculative.config import SamplingParams
     from speculative.sampling import warp
@@ -137,7 +136,7 @@ def teacher_forced(model: str, max_tokens: int = 200) -> None:
                                 max_tokens=max_tokens, seed=0)
         accepted, positions = {bits: 0.0 for bits in HEAD_BITS}, 0
         for item in SUITES["code"]:
-            prompt = _encode(lm, item)
+            prompt = encode(lm.tokenizer, item)
             tokens = mx.array(prompt + run_mlx_lm(lm, prompt, params).tokens)[None]  # [1, T]
             hidden = lm.target.hidden(tokens, lm.target.make_cache())  # [1, T, H]
             n = len(prompt)

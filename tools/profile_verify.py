@@ -21,7 +21,8 @@ import mlx.nn as nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative import target as target_mod  # noqa: E402
-from speculative.bench import _interleaved, _restore, _snapshot  # noqa: E402
+from speculative.cache import restore, snapshot  # noqa: E402
+from speculative.cost_model import interleaved  # noqa: E402
 from speculative.loader import load_model  # noqa: E402
 from speculative.target import Target  # noqa: E402
 
@@ -53,7 +54,7 @@ def main() -> None:
     cache = target.make_cache()
     target.hidden(mx.arange(100, 400)[None], cache)
     mx.eval([c.state for c in cache])
-    snap = _snapshot(cache)
+    snap = snapshot(cache)
     rows = (1, args.depth + 1)
 
     passes = {"engine": target, "plain": Target(lm.model, compile_layers=False),
@@ -67,7 +68,7 @@ def main() -> None:
                 logits, _, tapes = passes[name].verify(mx.full((1, n), 7), cache)
             finally:
                 target_mod._recurrence_with_states = REAL_RECURRENCE
-            _restore(cache, snap)
+            restore(cache, snap)
             return [mx.argmax(logits, -1)] + [t.states[-1] for t in tapes]
         return build
 
@@ -84,7 +85,7 @@ def main() -> None:
         for name in passes:
             builds[(name, n)] = verify(n, name)
         builds[("matmuls", n)] = matmuls(n)
-    t = {key: v * 1e3 for key, v in _interleaved(builds, args.reps).items()}
+    t = {key: v * 1e3 for key, v in interleaved(builds, args.reps).items()}
     one, many = rows
     extra = t[("plain", many)] - t[("plain", one)]
     recurrence = (t[("plain", many)] - t[("no recurrence", many)]) - (t[("plain", one)] - t[("no recurrence", one)])

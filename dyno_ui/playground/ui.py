@@ -17,8 +17,8 @@ from speculative.config import MAX_DRAFT_DEPTH  # noqa: E402
 from speculative.errors import DynoError  # noqa: E402
 
 from . import charts, render  # noqa: E402
-from .completions import ServedModel  # noqa: E402
-from .models import ASSETS  # noqa: E402
+from ..runtime.served import ServedModel  # noqa: E402
+from ..paths import ASSETS  # noqa: E402
 from .sessions import CHART_S, Sessions  # noqa: E402
 from .trace import Trace  # noqa: E402
 

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from speculative.events import Done, Provenance, Round, Token
 
-from .worker import Failed, Finished, TextDelta, Traced
+from ..runtime.outputs import Failed, Finished, TextDelta, Traced
 
 
 @dataclass(frozen=True)

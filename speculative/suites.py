@@ -21,3 +21,11 @@ SUITES = {
         {"prompt": "How do I read a file line by line in Python?", "chat": True},
     ],
 }
+
+
+def encode(tokenizer, item: dict) -> list:
+    """A suite item's prompt as token ids (chat items through the tokenizer's chat template)."""
+    if item.get("chat"):
+        return tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
+                                             add_generation_prompt=True, tokenize=True)
+    return tokenizer.encode(item["prompt"])

@@ -34,44 +34,11 @@ from speculative.sampling import plain_sampler
 from speculative.stats import GenerationStats
 
 from .metrics import Outcome, ServerMetrics
+from .outputs import Failed, Finished, TextDelta, Traced
 from .textstream import TextAssembler
 
 log = logging.getLogger("dyno.serve")
 STOPPED = "the server is shutting down"
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    """New text for one channel: "content" or "reasoning"."""
-
-    channel: str
-    text: str
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The last output of a job that ran to its end (stop or length) or was cancelled."""
-
-    finish_reason: str  # "stop", "length" or "cancelled"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The last output of a job the engine could not complete; `status` is the HTTP status it maps to."""
-
-    message: str
-    status: int = 500
-
-
-@dataclass(frozen=True)
-class Traced:
-    """An engine event (Token, Round or Done) and when it arrived; sent only to jobs with trace=True."""
-
-    event: object
-    at: float  # time.perf_counter()
 
 
 @dataclass
@@ -425,8 +392,8 @@ class EngineWorker:
             try:
                 (uid,) = batch.insert(
                     [job.prompt], max_tokens=[p.max_tokens],
-                    samplers=[_guarded(plain_sampler(p, self.lm.vocab_size), job, _greedy_row)],
-                    logits_processors=[[_guarded(f, job, _unchanged) for f in processors_for(p)]],
+                    samplers=[guarded(plain_sampler(p, self.lm.vocab_size), job, greedy_row)],
+                    logits_processors=[[guarded(f, job, unchanged) for f in processors_for(p)]],
                 )
             except Exception as e:  # this request alone is refused; the batch goes on
                 log.exception("cannot add a request to the batch")
@@ -446,15 +413,15 @@ def failure(error: BaseException) -> str:
     return f"generation failed: {one_line(error)}"
 
 
-def _greedy_row(logprobs: mx.array) -> mx.array:
+def greedy_row(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def _unchanged(_tokens: mx.array, logits: mx.array) -> mx.array:
+def unchanged(_tokens: mx.array, logits: mx.array) -> mx.array:
     return logits
 
 
-def _guarded(fn: Callable, job: Job, fallback: Callable) -> Callable:
+def guarded(fn: Callable, job: Job, fallback: Callable) -> Callable:
     """`fn` for one row of a batch: if it raises, the job records the error (it is failed after the
     step) and the row gets `fallback`'s value, so the other rows' step goes on unharmed."""
 

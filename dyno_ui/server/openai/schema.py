@@ -6,24 +6,13 @@ validation into an OpenAI-shaped 400. Unknown fields are ignored, as OpenAI-comp
 
 import time
 import uuid
-from dataclasses import replace
-from types import SimpleNamespace
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from speculative.config import PENALTY_CONTEXT, SamplingParams
 
-from .cli import sampling_from
-
-
-class ApiError(Exception):
-    """An error the client sees as {"error": {"message", "type", "param", "code"}} with `status`."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+from ...runtime.errors import ApiError
 
 
 class ErrorBody(BaseModel):
@@ -87,11 +76,9 @@ class SamplingFields(_Request):
     def sampling(self, generation_config: dict, default_max_tokens: int, room: int, vocab: int) -> SamplingParams:
         """SamplingParams: request values over generation_config over greedy; `room` caps max_tokens."""
         wanted = self.requested_max_tokens() or default_max_tokens
-        args = SimpleNamespace(temp=self.temperature, top_p=self.top_p, min_p=self.min_p,
-                               top_k=0 if self.top_k == -1 else self.top_k,
-                               max_tokens=min(wanted, room), seed=self.seed)
-        return replace(
-            sampling_from(args, generation_config),
+        return SamplingParams.from_generation_config(
+            generation_config, temperature=self.temperature, top_p=self.top_p, min_p=self.min_p,
+            top_k=0 if self.top_k == -1 else self.top_k, max_tokens=min(wanted, room), seed=self.seed,
             logit_bias=_token_biases(self.logit_bias, vocab),
             repetition_penalty=self.repetition_penalty,
             repetition_context_size=self.repetition_context_size,

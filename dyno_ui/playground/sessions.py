@@ -14,10 +14,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 from speculative.config import SamplingParams, SpecConfig
 from speculative.errors import DynoError
 
-from .completions import ServedModel
-from .textstream import TextAssembler, initial_channel
+from ..paths import local_folders
+from ..runtime.served import ServedModel, chat_job
+from ..runtime.worker import Job
 from .trace import Trace
-from .worker import Job
 
 FRAME_S = 0.2  # the answer and stats while streaming; the conversation and charts every CHART_S
 CHART_S = 0.5
@@ -38,11 +38,7 @@ class Sessions:
 
     def defaults(self) -> SamplingParams:
         """The model's generation_config sampling values (greedy where it has none)."""
-        from .cli import sampling_from
-
-        none = type("Args", (), dict(temp=None, top_p=None, top_k=None, min_p=None, seed=None,
-                                     max_tokens=self.served.default_max_tokens))
-        return sampling_from(none, self.lm.generation_config)
+        return self.served.defaults()
 
     # A callback reads `self.lm` once and passes it to each step (lm=...), so a model swapped in
     # meanwhile never serves a prompt built for another; the worker fails such a job (Job.lm).
@@ -80,8 +76,7 @@ class Sessions:
         """Run one traced job; yield its Trace every FRAME_S and once finished. Leaving early stops it."""
         inbox: "queue.Queue[object]" = queue.Queue()
         lm = lm or self.lm
-        text = TextAssembler(lm.tokenizer, [], split_reasoning=True, initial=initial_channel(lm.tokenizer, prompt))
-        job = Job(prompt, params, text, inbox.put, spec=spec, trace=True, lm=lm)
+        job = chat_job(lm, prompt, params, [], inbox.put, spec=spec, trace=True)
         trace = Trace(job.submitted_at)
         if session is not None:
             self.running[session] = job
@@ -125,10 +120,10 @@ class Sessions:
     def local_models(self, folders: Sequence[str] = ()) -> List[tuple]:
         """(folder, type, head status) rows; read here, not on the engine thread: the head checks read
         only file names and headers, so listing never waits for (or holds up) a generation."""
-        from .head_cli import local_models
+        from speculative.head_store import local_models
 
         extra = [Path(f).expanduser() for f in folders if f]
-        return local_models(extra, notify=lambda m: None)
+        return local_models(local_folders(extra), notify=lambda m: None)
 
     def load(self, path: str, notify: Callable[[str], None], head_bits=None):
         """A Future of the model at `path` replacing the served one (loaded on the engine thread), its
@@ -164,7 +159,7 @@ class Sessions:
     def fetch_head(self, path: str, notify: Callable[[str], None], head_bits=None):
         """A Future of (head folder, base repo, memory it takes at `head_bits`) for the model at `path`
         (fetched on the engine thread)."""
-        from .head_cli import planned_memory, pull_head
+        from speculative.head_store import planned_memory, pull_head
 
         def fetch():
             target, base = pull_head(path, None, notify)

@@ -9,13 +9,13 @@ from pathlib import Path
 
 from speculative.errors import DynoError
 
-from .bench_suites import SUITES
-from .models import default_model
+from speculative.suites import SUITES, encode
+
+from ..paths import default_model
+from .common import draft_vocab
 
 
 def add_commands(sub) -> None:
-    from .cli import _vocab  # the same --draft-vocab values as generate and serve
-
     b = sub.add_parser("bench", help="measure Dyno against plain mlx-lm, side by side",
                        description="Paired, alternating runs: plain mlx-lm, Dyno off, Dyno mtp at each depth.")
     b.add_argument("--model", help="model folder (default: the bundled dyno-tiny)")
@@ -28,7 +28,7 @@ def add_commands(sub) -> None:
     b.add_argument("--top-k", type=int, default=20, help="top-k when T > 0 (default: %(default)s)")
     b.add_argument("--max-tokens", type=int, default=200)
     b.add_argument("--pairs", type=int, default=5, help="measured cycles per prompt (default: %(default)s)")
-    b.add_argument("--draft-vocab", type=_vocab, default=None, metavar="N|full",
+    b.add_argument("--draft-vocab", type=draft_vocab, default=None, metavar="N|full",
                    help="tokens the draft step scores (default: full)")
     b.add_argument("--json", metavar="FILE", help="write the JSON record here")
     b.add_argument("--plot", metavar="FILE", help="write a Plotly chart (FILE.html, and FILE.png if kaleido works)")
@@ -53,7 +53,7 @@ def cmd_tune(args) -> int:
     depths = [1, 2, 3, 4]
     ratios = {k: [] for k in depths}
     for item in SUITES["code"][:2]:
-        res = paired_benchmark(lm, _encode(lm, item), SamplingParams(max_tokens=args.max_tokens), depths,
+        res = paired_benchmark(lm, encode(lm.tokenizer, item), SamplingParams(max_tokens=args.max_tokens), depths,
                                pairs=args.pairs, with_off=False)
         for k in depths:
             ratios[k].append(res["settings"][f"mtp@{k}"]["ratio"]["median"])
@@ -83,7 +83,8 @@ def _machine() -> dict:
 
 
 def cmd_bench(args) -> int:
-    from speculative.bench import cost_model, paired_benchmark, speedup_bound
+    from speculative.bench import paired_benchmark
+    from speculative.cost_model import cost_model, speedup_bound
     from speculative.config import MAX_DRAFT_DEPTH, SamplingParams
     from speculative.tuning import resolve_depth
     from speculative.loader import load_model
@@ -109,7 +110,7 @@ def cmd_bench(args) -> int:
     cost_depths = sorted(set(depths) | ({auto} if auto else set()))
     for suite in suites:
         for item in SUITES[suite]:
-            prompt = _encode(lm, item)
+            prompt = encode(lm.tokenizer, item)
             for temp in args.temp:
                 params = SamplingParams(temperature=temp, top_p=args.top_p if temp else 1.0,
                                         top_k=args.top_k if temp else 0, max_tokens=args.max_tokens, seed=0)
@@ -130,13 +131,6 @@ def cmd_bench(args) -> int:
     if args.plot:
         _plot(record, args.plot)
     return 0
-
-
-def _encode(lm, item) -> list:
-    if item.get("chat"):
-        return lm.tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
-                                                add_generation_prompt=True, tokenize=True)
-    return lm.tokenizer.encode(item["prompt"])
 
 
 def _median_costs(models: list) -> dict:

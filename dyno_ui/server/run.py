@@ -1,4 +1,4 @@
-"""`dyno serve`: load the model on the engine thread, listen, print the URL, serve until stopped."""
+"""Serving: load the model on the engine thread, listen, print the URL, serve until stopped."""
 
 import logging
 import signal
@@ -11,28 +11,10 @@ from typing import List
 from speculative.config import SpecConfig
 from speculative.errors import DynoError
 
-from .models import default_model
+from ..options import ServeOptions
+from ..paths import default_model
 
 log = logging.getLogger("dyno.serve")
-DEFAULT_PORT = 8080
-DEFAULT_MAX_TOKENS = 512
-
-
-def add_command(sub) -> None:
-    """Register `dyno serve` on the CLI's subparsers."""
-    from .cli import _add_model_args
-
-    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                       description="An OpenAI-compatible server; MTP drafting on when it is safe and exact.")
-    _add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0 picks a free one)")
-    p.add_argument("--decode-concurrency", type=int, default=1, metavar="N",
-                   help="requests decoded together; above 1 they are batched without drafting (default: 1)")
-    p.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
-                   help="max_tokens for requests that do not set it (default: %(default)s)")
-    p.add_argument("--no-ui", action="store_true", help="do not serve the Gradio playground at /ui")
-    p.set_defaults(func=run)
 
 
 def describe(worker) -> str:
@@ -60,13 +42,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 def make_app(served, ui: bool = True, ui_front: bool = False):
     """The server's app, with the playground at /ui (and / redirecting to it when `ui_front`)."""
-    from .server import create_app
+    from .app import create_app
 
     app = create_app(served)
     if ui and served.worker.concurrency == 1:  # the playground drafts and swaps models: serial mode
         from fastapi.responses import RedirectResponse
 
-        from .playground import UI_PATH, mount
+        from ..playground.ui import UI_PATH, mount
 
         if ui_front:
             app.add_api_route("/", lambda: RedirectResponse(UI_PATH + "/"), include_in_schema=False)
@@ -84,7 +66,7 @@ def startup_lines(model_id: str, how: str, base: str, ui: bool, ui_front: bool) 
     if ui and ui_front:
         lines.append(f"* Running on local URL:  {base}")
     elif ui:
-        from .playground import UI_PATH  # already imported by make_app: gradio is loaded
+        from ..playground.ui import UI_PATH  # already imported by make_app: gradio is loaded
 
         lines.append(f"dyno: playground at {base}{UI_PATH}/")
     return lines
@@ -108,50 +90,36 @@ def _stop(*_):
     raise KeyboardInterrupt
 
 
-def run(args) -> int:
-    """The serve command; returns the exit status."""
+def run(options: ServeOptions) -> int:
+    """Serve until stopped; returns the exit status."""
     import uvicorn
 
-    from speculative.loader import load_model
+    from speculative import load_model
+    from speculative.tuning import resolve_depth
 
-    from .completions import ServedModel
-    from .worker import EngineWorker
+    from ..runtime.served import ServedModel
+    from ..runtime.worker import EngineWorker
 
-    if args.decode_concurrency < 1:
-        raise DynoError(f"--decode-concurrency must be at least 1, got {args.decode_concurrency}")
-    if args.max_tokens_default < 1:
-        raise DynoError(f"--max-tokens-default must be at least 1, got {args.max_tokens_default}")
-    if args.draft_depth != "auto":
-        SpecConfig(args.speculative, args.draft_depth)  # validate before loading anything
-    SpecConfig(draft_vocab=args.draft_vocab)
-    from speculative.precision import parse_head_bits
-
-    parse_head_bits(getattr(args, "mtp_head_bits", None))  # before loading anything
-    batched = args.decode_concurrency > 1
-    if args.speculative == "mtp" and batched:
-        raise DynoError("--speculative mtp drafts one request at a time; with --decode-concurrency above 1 "
-                        "requests are batched without drafts (use --speculative auto or off)")
-    path = args.model or default_model()
-    mode = "off" if batched else args.speculative  # batched decoding never drafts: skip the head
+    m = options.model
+    path = m.model or default_model()
+    mode = "off" if options.batched else m.speculative  # batched decoding never drafts: skip the head
     notify = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
 
     def load():
-        from speculative.tuning import resolve_depth
+        lm = load_model(path, mode=mode, mtp_head=m.mtp_head, mtp_base=m.mtp_base, notify=notify,
+                        head_bits=m.mtp_head_bits)
+        depth = resolve_depth(lm, m.draft_depth) if lm.head is not None else SpecConfig().draft_depth
+        return lm, SpecConfig(mode, depth, m.draft_vocab)
 
-        lm = load_model(path, mode=mode, mtp_head=args.mtp_head, mtp_base=getattr(args, "mtp_base", None),
-                        notify=notify, head_bits=getattr(args, "mtp_head_bits", None))
-        depth = resolve_depth(lm, args.draft_depth) if lm.head is not None else SpecConfig().draft_depth
-        return lm, SpecConfig(mode, depth, args.draft_vocab)
-
-    worker = EngineWorker(load, decode_concurrency=args.decode_concurrency)
+    worker = EngineWorker(load, decode_concurrency=options.decode_concurrency)
     lm = worker.start()  # notices were printed while loading
     served = ServedModel(id=lm.path.name, lm=lm, worker=worker,
-                         default_max_tokens=args.max_tokens_default, created=int(time.time()))
-    sock = listen(args.host, args.port)
+                         default_max_tokens=options.max_tokens_default, created=int(time.time()))
+    sock = listen(options.host, options.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    ui = not getattr(args, "no_ui", False) and worker.concurrency == 1
-    ui_front = ui and getattr(args, "ui_front", False)
+    ui = options.ui and worker.concurrency == 1
+    ui_front = ui and options.ui_front
     app = make_app(served, ui=ui, ui_front=ui_front)
     for line in startup_lines(served.id, describe(worker), f"http://{shown}:{port}", ui, ui_front):
         print(line, flush=True)

@@ -1,0 +1,41 @@
+"""`dyno`: the command line, one module per command. Nothing else imports this package."""
+
+import argparse
+import sys
+from typing import List, Optional
+
+from speculative.errors import DynoError
+
+from . import bench, generate, heads, serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dyno", description="Exact MTP speculative decoding for Qwen3.5/3.6/3.8 on MLX."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    generate.add_command(sub)
+    heads.add_commands(sub)
+    bench.add_commands(sub)
+    serve.add_command(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except DynoError as e:
+        print(f"dyno: error: {e.message}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("\ndyno: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""`dyno generate`: one prompt, text streamed to stdout, the drafting summary on stderr."""
+
+import json
+import sys
+
+from speculative.config import SamplingParams
+from speculative.errors import DynoError
+
+from .common import add_model_args, model_options, notify
+
+
+def add_command(sub) -> None:
+    gen = sub.add_parser("generate", help="generate text from a prompt",
+                         description="Generate text; greedy output is the model's own greedy text.")
+    add_model_args(gen)
+    gen.add_argument("--prompt", required=True, help="prompt text (raw unless --chat)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=256, metavar="N", help="default: %(default)s")
+    gen.add_argument("--temp", type=float, default=None, metavar="T",
+                     help="temperature; 0 is greedy (default: the model's generation_config, else 0)")
+    gen.add_argument("--top-p", type=float, default=None, metavar="P")
+    gen.add_argument("--top-k", type=int, default=None, metavar="K")
+    gen.add_argument("--min-p", type=float, default=None, metavar="M")
+    gen.add_argument("--seed", type=int, default=None, metavar="S")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.set_defaults(func=cmd_generate)
+
+
+def sampling_from(args, generation_config: dict) -> SamplingParams:
+    """Command-line values over the model's generation_config.json over greedy."""
+    return SamplingParams.from_generation_config(
+        generation_config, temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        max_tokens=args.max_tokens, seed=args.seed)
+
+
+def cmd_generate(args) -> int:
+    from speculative import generate, load_model
+    from speculative.config import SpecConfig
+    from speculative.stats import GenerationStats
+    from speculative.tuning import resolve_depth
+
+    from ..paths import default_model
+
+    options = model_options(args)  # every flag checked before anything is loaded
+    if args.max_tokens < 1:
+        raise DynoError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if not args.prompt:
+        raise DynoError("the prompt is empty")
+    sampling_from(args, {})
+    lm = load_model(options.model or default_model(), mode=options.speculative, mtp_head=options.mtp_head,
+                    mtp_base=options.mtp_base, notify=notify, head_bits=options.mtp_head_bits)
+    params = sampling_from(args, lm.generation_config)
+    spec = SpecConfig(options.speculative, resolve_depth(lm, options.draft_depth), options.draft_vocab)
+    if args.chat:
+        messages = [{"role": "user", "content": args.prompt}]
+        prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    else:
+        prompt = lm.tokenizer.encode(args.prompt)
+    if not prompt:
+        raise DynoError("the prompt is empty")
+    stats = GenerationStats(draft_depth=spec.draft_depth)
+    detok = lm.tokenizer.detokenizer
+    detok.reset()
+    eos = lm.eos_token_ids
+    for event in generate(lm, prompt, params, spec):
+        stats.add(event)
+        if hasattr(event, "id") and event.id not in eos:
+            detok.add_token(event.id)
+            segment = detok.last_segment  # reading it consumes it
+            if segment and not args.json:
+                sys.stdout.write(segment)
+                sys.stdout.flush()
+    detok.finalize()
+    if args.json:
+        done = stats.done
+        print(json.dumps({
+            "text": detok.text,
+            "tokens": stats.tokens,
+            "provenance": stats.provenance,
+            "finish_reason": done.finish_reason,
+            "speculative": stats.speculative_json(),
+            "timing": {"prefill_s": done.prefill_s, "decode_s": done.decode_s,
+                       "decode_tokens_per_s": stats.decode_tokens_per_s},
+        }))
+    else:
+        sys.stdout.write(detok.last_segment + "\n")
+        sys.stdout.flush()
+    print(stats.summary_line(), file=sys.stderr)
+    return 0

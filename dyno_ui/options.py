@@ -1,0 +1,58 @@
+"""What a server runs with, as data: built by `dyno serve` and by `python app.py`, read by the server."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+from speculative.config import SpecConfig
+from speculative.errors import DynoError
+from speculative.precision import parse_head_bits
+
+DEFAULT_PORT = 8080
+DEFAULT_MAX_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which model to load and how to draft with it (the flags `generate`, `serve` and `app.py` share)."""
+
+    model: Optional[Path] = None  # None: $DYNO_MODEL, else the bundled dyno-tiny
+    speculative: str = "auto"
+    draft_depth: Union[int, str] = "auto"
+    draft_vocab: Optional[int] = None
+    mtp_head: Optional[str] = None
+    mtp_head_bits: Optional[str] = None
+    mtp_base: Optional[str] = None
+
+    def __post_init__(self):
+        """Every value checked before anything is loaded."""
+        if self.draft_depth != "auto":
+            SpecConfig(self.speculative, self.draft_depth)
+        SpecConfig(self.speculative, draft_vocab=self.draft_vocab)
+        parse_head_bits(self.mtp_head_bits)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """A server: the model, where it listens, how it decodes, and what it shows."""
+
+    model: ModelOptions = ModelOptions()
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    decode_concurrency: int = 1
+    max_tokens_default: int = DEFAULT_MAX_TOKENS
+    ui: bool = True  # the playground at /ui (serial decoding only)
+    ui_front: bool = False  # `python app.py`: / redirects to the playground, Gradio's URL line last
+
+    def __post_init__(self):
+        if self.decode_concurrency < 1:
+            raise DynoError(f"--decode-concurrency must be at least 1, got {self.decode_concurrency}")
+        if self.max_tokens_default < 1:
+            raise DynoError(f"--max-tokens-default must be at least 1, got {self.max_tokens_default}")
+        if self.model.speculative == "mtp" and self.batched:
+            raise DynoError("--speculative mtp drafts one request at a time; with --decode-concurrency above 1 "
+                            "requests are batched without drafts (use --speculative auto or off)")
+
+    @property
+    def batched(self) -> bool:
+        return self.decode_concurrency > 1

@@ -1,0 +1,2 @@
+"""The engine thread and what requests share below the APIs: jobs and their outputs, the served model,
+text assembly, metrics. No web framework is imported here (tests/test_layering.py checks it)."""

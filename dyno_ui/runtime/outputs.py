@@ -1,0 +1,44 @@
+"""What a job sends to its handler: text, then Finished or Failed (and, when traced, engine events).
+
+Plain data with no MLX: the playground's rendering and the APIs' folding import these alone.
+"""
+
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New text for one channel: "content" or "reasoning"."""
+
+    channel: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last output of a job that ran to its end (stop or length) or was cancelled."""
+
+    finish_reason: str  # "stop", "length" or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The last output of a job the engine could not complete; `status` is the HTTP status it maps to."""
+
+    message: str
+    status: int = 500
+
+
+@dataclass(frozen=True)
+class Traced:
+    """An engine event (Token, Round or Done) and when it arrived; sent only to jobs with trace=True."""
+
+    event: object
+    at: float  # time.perf_counter()
+
+
+Output = Union[TextDelta, Finished, Failed]

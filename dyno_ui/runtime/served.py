@@ -1,0 +1,96 @@
+"""The model a server serves, and what every API does with a request before it becomes a job:
+pick the model, apply the chat template, check the prompt against the context."""
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from speculative.config import SamplingParams
+from speculative.errors import DynoError, one_line
+from speculative.loader import LoadedModel
+
+from .errors import ApiError
+from .textstream import TextAssembler, initial_channel
+from .worker import EngineWorker, Job
+
+# Template arguments that would change what apply_chat_template returns (token ids) or how.
+# `chat_template` too: a client's own Jinja template could run unbounded on the server.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "chat_template", "tokenize", "add_generation_prompt", "return_dict", "return_tensors", "padding",
+    "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+@dataclass
+class ServedModel:
+    """The one model a server serves: its name, its limits, and the worker that runs it."""
+
+    id: str
+    lm: LoadedModel
+    worker: EngineWorker
+    default_max_tokens: int
+    created: int
+    loading: Optional[str] = None  # the model being loaded in its place (the Models tab), if any
+    _swap: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def replace(self, lm: LoadedModel) -> None:
+        """Serve `lm` (named by its folder) from now on; the worker already runs it."""
+        with self._swap:
+            self.lm, self.id = lm, lm.path.name
+
+    def current(self, requested: Optional[str]) -> Tuple[str, LoadedModel]:
+        """The model a request goes to: none loading, and it names this one (or none); id and model
+        are read together, so a request never names one model and gets another."""
+        if self.loading is not None:
+            raise ApiError(503, f"model loading: {self.loading}; send the request again when it is "
+                                f"loaded", code="model_loading", kind="server_error")
+        with self._swap:
+            served_id, lm = self.id, self.lm
+        if requested is not None and requested != served_id:
+            raise ApiError(404, f"The model '{requested}' does not exist; this server serves "
+                                f"'{served_id}'", param="model", code="model_not_found")
+        return served_id, lm
+
+    def defaults(self, lm: Optional[LoadedModel] = None) -> SamplingParams:
+        """The model's generation_config sampling values (greedy where it has none)."""
+        return SamplingParams.from_generation_config((lm or self.lm).generation_config,
+                                                     max_tokens=self.default_max_tokens)
+
+
+def chat_prompt(lm: LoadedModel, messages: List[dict], template_kwargs: Optional[dict]) -> List[int]:
+    """Token ids of `messages` through the tokenizer's chat template, ready for the answer."""
+    kwargs = template_kwargs or {}
+    if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs)):
+        raise ApiError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the server",
+                       param="chat_template_kwargs")
+    try:
+        return list(lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs))
+    except Exception as e:  # jinja errors, bad kwargs: the request's fault
+        raise ApiError(400, f"cannot apply the chat template: {one_line(e)}", param="messages") from None
+
+
+def checked_sampling(lm: LoadedModel, prompt: Sequence[int], field: str,
+                     sampling: Callable[[int], SamplingParams]) -> SamplingParams:
+    """`sampling(room)` for a prompt that fits: not empty, shorter than the context (room is what is left)."""
+    n, limit = len(prompt), lm.context_length
+    if n == 0:
+        raise ApiError(400, f"{field}: the prompt is empty", param=field)
+    if n >= limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the "
+                            f"prompt has {n} tokens", param=field, code="context_length_exceeded")
+    try:
+        return sampling(limit - n)
+    except DynoError as e:
+        raise ApiError(400, e.message) from None
+
+
+def chat_job(lm: LoadedModel, prompt: List[int], params: SamplingParams, stops: List[str], sink, **job) -> Job:
+    """A job for a templated chat prompt: reasoning split on, starting in the channel the template opened;
+    `job` sets other Job fields (spec, trace)."""
+    text = TextAssembler(lm.tokenizer, stops, split_reasoning=True, initial=initial_channel(lm.tokenizer, prompt))
+    return Job(list(prompt), params, text, sink, lm=lm, **job)
+
+
+def completion_job(lm: LoadedModel, prompt: List[int], params: SamplingParams, stops: List[str], sink) -> Job:
+    """A job for a raw prompt: no template, no reasoning split."""
+    return Job(list(prompt), params, TextAssembler(lm.tokenizer, stops), sink, lm=lm)

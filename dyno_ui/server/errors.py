@@ -1,0 +1,80 @@
+"""Reading a request body, and turning every error into its API's envelope: never a traceback."""
+
+import json
+import logging
+from typing import Callable, Type, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from speculative.errors import DynoError
+
+from ..runtime.errors import ApiError
+
+log = logging.getLogger("dyno.serve")
+MAX_BODY_BYTES = 32 * 1024 * 1024
+Body = TypeVar("Body", bound=BaseModel)
+Envelope = Callable[[ApiError], dict]
+
+
+async def read_request(request: Request, kind: Type[Body], max_bytes: int) -> Body:
+    """The JSON body as `kind`, whatever the Content-Type (curl -d sends a form type); 413 past max_bytes."""
+    too_large = ApiError(413, f"The request body is larger than {max_bytes} bytes", code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():  # bounded even when the body is chunked
+        body += chunk
+        if len(body) > max_bytes:
+            raise too_large
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        raise ApiError(400, f"The request body is not valid JSON: {e}") from None
+    try:
+        return kind.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def validation_error(errors) -> ApiError:
+    """The first validation error as one line, naming the offending field."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if not loc and first.get("type") == "model_type":
+        return ApiError(400, "The request body must be a JSON object")
+    return ApiError(400, f"{param}: {first['msg']}" if param else str(first["msg"]), param=param)
+
+
+def add_error_handlers(app: FastAPI, envelope: Envelope) -> None:
+    """Every error leaves as `envelope(error)` with its status."""
+
+    def respond(err: ApiError) -> JSONResponse:
+        return JSONResponse(envelope(err), status_code=err.status)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError):
+        return respond(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError):
+        return respond(validation_error(exc.errors()))
+
+    @app.exception_handler(DynoError)
+    async def dyno_error(_: Request, exc: DynoError):
+        return respond(ApiError(400, exc.message))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return respond(ApiError(exc.status_code, str(exc.detail), kind=kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return respond(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))

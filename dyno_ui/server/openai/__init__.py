@@ -1,0 +1,1 @@
+"""The OpenAI API: schema (types and validation), convert (requests to jobs, outputs to responses), routes."""

@@ -1,0 +1,100 @@
+"""The cost model: seconds per 1-token trunk step (T1), per k+1-token verify (Tv(k)) and per head
+step (Td) on this model and machine, and the speedup they allow: E / (Tv(k)/T1 + k*Td/T1).
+
+`--draft-depth auto` uses it (speculative/tuning.py) without importing the benchmark.
+"""
+
+import statistics
+import time
+from typing import Dict, Optional, Sequence
+
+import mlx.core as mx
+
+from .cache import restore, snapshot
+from .draft_vocab import draft_lm_head
+from .loader import LoadedModel
+
+
+def queued(build, n: int) -> float:
+    """Seconds for n calls of `build` queued back to back, the last one waited for."""
+    start = time.perf_counter()
+    out = None
+    for _ in range(n):
+        out = build()
+        mx.async_eval(out)
+    mx.eval(out)
+    return time.perf_counter() - start
+
+
+def per_call(build, burst: int) -> float:
+    """Seconds per call of `build` run back to back the way a decoding loop runs it.
+
+    mlx-lm's generate_step builds step n+1 while step n computes (async_eval); timing each call
+    with a blocking eval would charge the graph building to the model and inflate T1 (by about
+    8% on this machine). A run of n queued calls still exposes its first build and last wait,
+    so the difference of runs of 2n and n calls is taken: the edges cancel.
+    """
+    return (queued(build, 2 * burst) - queued(build, burst)) / burst
+
+
+def interleaved(builds: Dict[object, object], reps: int, burst: int = 2) -> Dict[object, float]:
+    """Median seconds per call of each graph builder, timed round-robin.
+
+    This machine's speed drifts by tens of percent within seconds; timing one function's reps
+    in a block and the next one's later would put that drift into their ratios (the bound).
+    """
+    for _ in range(2):  # warm-up: graph compile and allocation
+        for build in builds.values():
+            queued(build, 1)
+    samples = {name: [] for name in builds}
+    for _ in range(reps):
+        for name, build in builds.items():
+            samples[name].append(per_call(build, burst))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], reps: int = 15,
+               burst: int = 2, draft_vocab: Optional[int] = None) -> Dict[str, object]:
+    """Seconds per 1-token trunk step (T1), per k+1-token verify (Tv(k)) and per head step (Td).
+
+    Each builder queues one call's graph and rewinds the caches, so back-to-back calls all
+    see the same context.
+    """
+    target, head = lm.target, lm.head
+    draft_projection = draft_lm_head(lm, draft_vocab)  # what the draft step multiplies by
+    trunk = target.make_cache()
+    tokens = mx.array(list(prompt))[None]
+    hidden = target.hidden(tokens, trunk)
+    head_cache = head.make_cache()
+    head(target.embed(tokens), hidden, head_cache)
+    mx.eval([c.state for c in trunk + head_cache])
+    snap = snapshot(trunk)
+    last = tokens[:, -1:]
+
+    def step():
+        out = mx.argmax(target.lm_head(target.hidden(last, trunk)), axis=-1)
+        restore(trunk, snap)
+        return out
+
+    def verify(k):
+        def build():
+            logits, hid, tapes = target.verify(mx.repeat(last, k + 1, axis=1), trunk)
+            restore(trunk, snap)
+            return [mx.argmax(logits, axis=-1)] + [t.states[-1] if t.states else t.conv_input for t in tapes]
+        return build
+
+    g = hidden[:, -1:]
+    offset = head_cache[0].offset
+
+    def draft():
+        out = head(target.embed(last), g, head_cache)
+        head_cache[0].trim(head_cache[0].offset - offset)
+        return mx.argmax(draft_projection(out[:, -1]), axis=-1)
+
+    t = interleaved({"T1": step, "Td": draft, **{k: verify(k) for k in depths}}, reps, burst)
+    return {"T1": t["T1"], "Tv": {k: t[k] for k in depths}, "Td": t["Td"]}
+
+
+def speedup_bound(tokens_per_round: float, t1: float, tv: float, td: float, k: int) -> float:
+    """E / (Tv(k)/T1 + k*Td/T1): what the model calls alone allow."""
+    return tokens_per_round / (tv / t1 + k * td / t1)
