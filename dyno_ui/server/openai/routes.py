@@ -17,25 +17,24 @@ def add_routes(app: FastAPI, served: ServedModel, max_body_bytes: int) -> None:
     def models() -> api.ModelList:
         return api.ModelList(data=[api.ModelCard(id=served.id, created=served.created)])
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        req = await read_request(request, api.ChatCompletionRequest, max_body_bytes)
+    async def answer(request: Request, kind, make_job, events, response):
+        """Read and check the body, queue its job; stream the outputs as SSE or fold them into one response."""
+        req = await read_request(request, kind, max_body_bytes)
         # Templating and tokenizing run off the event loop: a long prompt must not stall other streams.
         stream = JobStream(served.worker)
-        model_id, job = await asyncio.to_thread(convert.chat_job, served, req, stream.sink)
+        model_id, job = await asyncio.to_thread(make_job, served, req, stream.sink)
         stream.submit(job)
         if req.stream:
-            events = convert.chat_events(stream, model_id, req.include_usage())
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        return await convert.chat_response(stream, model_id)
+            return StreamingResponse(events(stream, model_id, req.include_usage()), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        return await response(stream, model_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await answer(request, api.ChatCompletionRequest, convert.chat_job, convert.chat_events,
+                            convert.chat_response)
 
     @app.post("/v1/completions")
     async def complete(request: Request):
-        req = await read_request(request, api.CompletionRequest, max_body_bytes)
-        stream = JobStream(served.worker)
-        model_id, job = await asyncio.to_thread(convert.completion_job, served, req, stream.sink)
-        stream.submit(job)
-        if req.stream:
-            events = convert.completion_events(stream, model_id, req.include_usage())
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        return await convert.completion_response(stream, model_id)
+        return await answer(request, api.CompletionRequest, convert.completion_job, convert.completion_events,
+                            convert.completion_response)
