@@ -32,7 +32,7 @@ HEAD_WEIGHTS = "mtp.safetensors"
 # Where heads live: original checkpoints use `mtp.`; some re-exports `language_model.mtp.`.
 CHECKPOINT_PREFIXES = ("mtp.", "language_model.mtp.", "model.mtp.")
 # The 1-D norms stored zero-centred in raw HF checkpoints (the layer ones repeat per layer).
-_NORM_RE = re.compile(
+NORM_RE = re.compile(
     r"^(pre_fc_norm_embedding|pre_fc_norm_hidden|norm"
     r"|layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.q_norm|self_attn\.k_norm))"
     r"\.weight$"
@@ -70,7 +70,7 @@ class MTPHead(nn.Module):
 def shift_norms(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
     """Raw HF norms multiply by (1 + w): add 1 in fp32, then cast back. Apply exactly once."""
     return {
-        k: (v.astype(mx.float32) + 1.0).astype(v.dtype) if _NORM_RE.match(k) else v
+        k: (v.astype(mx.float32) + 1.0).astype(v.dtype) if NORM_RE.match(k) else v
         for k, v in weights.items()
     }
 

@@ -9,7 +9,7 @@ head step (the head alone, and the draft step: head + lm_head + argmax) on this 
 Every time is a median of round-robin bursts (speculative.bench's timing), all precisions taking
 turns so that the machine's drift lands on all alike. Also prints the head's bytes at each
 precision for the published 27B shapes (Qwen3.5/3.6/3.8-27B share them), by precision.planned_bytes'
-arithmetic on their config values (tests/test_head_precision.py checks it against a head module
+arithmetic on their config values (tests/heads/test_head_precision.py checks it against a head module
 built lazily with those shapes).
 
 With --linears-27b it times one-row products with the 27B head's largest linear shapes (fc, the

@@ -2,7 +2,6 @@
 
 from pathlib import Path
 
-from speculative.errors import DynoError
 
 from ..paths import local_folders
 from .common import notify

@@ -5,8 +5,6 @@ report line, the flag's errors, and exactness (greedy equality, distribution) wi
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,10 +14,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5
 from scipy.stats import chi2
 
-import tiny_models
-from conftest import plain_greedy
+from helpers import tiny_models
+from helpers.reference import plain_greedy
 from dyno_ui import cli
-from fake_hub import FakeHub
+from helpers.fake_hub import FakeHub
+from helpers.run import python
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
 from speculative.events import Round, Token
@@ -28,9 +27,9 @@ from speculative.mtp import MTPHead
 from speculative.precision import (HEAD_BITS, QWEN_27B, HeadMemory, default_head_bits, module_bytes,
                                    planned_bytes, quantize_head)
 from speculative.tensors import read_header
-from test_distribution import FALSE_ALARM, chi_square, exact_joint, sample_tokens
+from helpers.distribution import FALSE_ALARM, chi_square, exact_joint, sample_tokens
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = ROOT / "assets" / "dyno-tiny"
 REPO = "org/original"
 
@@ -193,8 +192,7 @@ def test_download_at_each_precision(repos, tmp_path):
         hub.add(REPO, original)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_"))}
         env.update(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "hf"), HF_HUB_DISABLE_TELEMETRY="1")
-        r = subprocess.run([sys.executable, "-c", DOWNLOAD, str(conversion), str(tmp_path)], capture_output=True,
-                           text=True, cwd=ROOT, env=env, timeout=120)
+        r = python("-c", DOWNLOAD, str(conversion), str(tmp_path), env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     for line, bits in zip(r.stdout.splitlines(), HEAD_BITS):
         got = json.loads(line)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-import tiny_models
+from helpers import tiny_models
 from speculative.errors import DynoError
 from speculative.loader import load_model
 from speculative.mtp import read_checkpoint_head, write_head_folder
@@ -54,7 +54,7 @@ def test_bf16_experts_run_where_the_backend_has_no_bf16_kernel(tmp_path):
     backend) the experts run in float32 with a notice; drafting still equals plain greedy."""
     import mlx.core as mx
 
-    from conftest import plain_greedy
+    from helpers.reference import plain_greedy
     from speculative.backend import gather_mm_supports
     from speculative.config import SamplingParams, SpecConfig
     from speculative.engine import generate

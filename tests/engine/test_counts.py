@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from serving import running_server
+from helpers.serving import running_server
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.loader import load_model

@@ -2,12 +2,11 @@
 
 import json
 import shutil
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+
+from helpers.run import dyno
 
 import mlx.core as mx
 
@@ -15,7 +14,6 @@ from speculative.bench import paired_benchmark, summarize
 from speculative.cost_model import interleaved, speedup_bound
 from speculative.config import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_speedup_bound_and_summary():
@@ -56,10 +54,8 @@ def test_paired_benchmark_ratios_are_per_pair(tiny_lm):
 
 def test_bench_json_record(tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "dyno_ui", "bench", "--model", str(tiny_dir()), "--suite", "edit",
-                        "--depths", "1,2,auto", "--pairs", "1", "--max-tokens", "20", "--json", str(out),
-                        "--plot", str(tmp_path / "chart")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = dyno("bench", "--model", str(tiny_dir()), "--suite", "edit", "--depths", "1,2,auto", "--pairs", "1",
+             "--max-tokens", "20", "--json", str(out), "--plot", str(tmp_path / "chart"))
     assert r.returncode == 0, r.stderr
     record = json.loads(out.read_text())
     assert set(record) >= {"machine", "model", "commit", "settings", "results", "cost_model"}
@@ -83,6 +79,5 @@ def test_bench_json_record(tiny_dir, tmp_path):
 
 
 def test_bench_bad_depths():
-    r = subprocess.run([sys.executable, "-m", "dyno_ui", "bench", "--depths", "a,b"], capture_output=True,
-                       text=True, cwd=ROOT, timeout=120)
+    r = dyno("bench", "--depths", "a,b", timeout=120)
     assert r.returncode == 2 and r.stderr == "dyno: error: --depths must be comma-separated integers or auto, got 'a,b'\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-import tiny_models
+from helpers import tiny_models
 
 ZEROED = (".o_proj.weight", ".out_proj.weight", ".down_proj.weight")
 

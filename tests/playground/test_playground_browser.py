@@ -2,7 +2,7 @@
 downloaded): chat with coloured drafts, charts and stats; Stop; the compare race; the Models tab.
 
 Runs on the bundled dyno-tiny when it is there, else on a tiny checkpoint whose head agrees with
-its trunk (tests/playground_models.py), so that drafts are really accepted either way.
+its trunk (tests/helpers/playground_models.py), so that drafts are really accepted either way.
 """
 
 import os
@@ -14,10 +14,22 @@ import pytest
 
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 CHROMIUM = "/usr/bin/chromium"
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium package")
+pytestmark = pytest.mark.browser
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def chromium():
+    """Missing Chromium fails the module (CI must never pass without the browser tests); a developer
+    without it opts out by name."""
+    if Path(CHROMIUM).exists():
+        return CHROMIUM
+    if os.environ.get("DYNO_SKIP_BROWSER") == "1":
+        pytest.skip("DYNO_SKIP_BROWSER=1")
+    pytest.fail(f"the playground tests need Debian's Chromium at {CHROMIUM} (apt-get install chromium); "
+                f"set DYNO_SKIP_BROWSER=1 to skip them", pytrace=False)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +38,7 @@ def model_dir(tmp_path_factory):
 
     if (BUNDLED_MODEL / "config.json").exists():
         return BUNDLED_MODEL
-    import playground_models
+    from helpers import playground_models
 
     return playground_models.alphabet_model(tmp_path_factory.mktemp("alphabet"))
 

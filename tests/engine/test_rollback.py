@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 import speculative.target as target_mod
-from conftest import plain_greedy
+from helpers.reference import plain_greedy
 from speculative.config import SamplingParams
 from speculative.engine import Speculator
 

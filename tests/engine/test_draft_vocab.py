@@ -5,7 +5,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from conftest import plain_greedy
+from helpers.reference import plain_greedy
 from speculative.config import SamplingParams, SpecConfig
 from speculative.draft_vocab import DraftLMHead, draft_lm_head, ranked_ids, special_ids
 from speculative.engine import generate

@@ -13,7 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
 URL = re.compile(r"https?://\S+")
 
 

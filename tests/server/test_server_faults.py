@@ -4,22 +4,21 @@ generation, and the server keeps serving; the per-request log line; `dyno serve`
 import logging
 import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-import tiny_models
-from conftest import plain_greedy
+from helpers import tiny_models
+from helpers.reference import plain_greedy
 from dyno_ui import cli
-from serving import MODEL_ID, detokenize, running_server
+from helpers.serving import MODEL_ID, detokenize, running_server
+from helpers.run import dyno_server
 from speculative.config import SpecConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.e2e
+
 MESSAGES = [{"role": "user", "content": "hello"}]
 BODY_LIMIT = 64 * 1024
 SUMMARY = re.compile(r"^MTP: (\d+) tokens in (\d+) rounds \((\d+\.\d\d) per round\), (\d+)/(\d+) drafts accepted$")
@@ -124,9 +123,7 @@ def test_one_exact_log_line_per_request(server, tiny_lm, caplog):
 
 def test_dyno_serve_command(tiny_dir, tiny_lm):
     """The real command: prints its URL, serves, logs the line, stops cleanly on Ctrl-C."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dyno_ui", "serve", "--model", str(tiny_dir()), "--port", "0", "--draft-depth", "2"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = dyno_server("--model", str(tiny_dir()), "--port", "0", "--draft-depth", "2")
     try:
         line = proc.stdout.readline()
         m = re.match(r"^dyno: serving (\S+) at (http://127\.0\.0\.1:\d+/v1) \(MTP drafting, depth 2\)$", line)

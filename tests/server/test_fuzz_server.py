@@ -11,14 +11,16 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import plain_greedy
-from serving import MODEL_ID, detokenize, running_server
+from helpers.reference import plain_greedy
+from helpers.serving import MODEL_ID, detokenize, running_server
 from speculative.config import SpecConfig
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CONTEXT = 160  # a short context keeps every fuzzed max_tokens cheap
 EXAMPLES = 80  # per mode; about half a second each on 2 CPU cores
 CHECK_PROMPT = "def check(x):"
-VOCAB = 320  # tests/tiny_models.py
+VOCAB = 320  # tests/helpers/tiny_models.py
 
 INTS = st.sampled_from([-(2**70), -(2**63), -1, 0, 1, 2, 3, VOCAB - 1, VOCAB, VOCAB + 1, CONTEXT, 2**31,
                         2**63, 2**64, 2**64 + 1, 10**30]) | st.integers(-50, 400)

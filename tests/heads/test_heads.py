@@ -4,20 +4,20 @@ from a real HTTP server speaking the Hub's file protocol, offline mode, and fail
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-import tiny_models
-from conftest import plain_greedy
-from fake_hub import FakeHub
+from helpers import tiny_models
+from helpers.reference import plain_greedy
+from helpers.fake_hub import FakeHub
+from helpers import run
 from speculative.heads import PROMISE
 from speculative.loader import load_model
 from speculative.tensors import read_header
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.e2e
+
 SHARD = "model-00002-of-00002.safetensors"  # where tiny_models puts the head
 PROMPT = "def add(a, b):\n    return a + b\n"
 
@@ -70,8 +70,7 @@ def env(tmp_path, hub):
 
 def dyno(env, *args, offline=False):
     e = dict(env, HF_HUB_OFFLINE="1") if offline else env
-    return subprocess.run([sys.executable, "-m", "dyno_ui", *args], capture_output=True, text=True,
-                          cwd=ROOT, env=e, timeout=300)
+    return run.dyno(*args, env=e)
 
 
 def generate(env, model, *extra, offline=False):
@@ -82,7 +81,7 @@ def generate(env, model, *extra, offline=False):
 def test_download_fetches_only_the_head_then_works_offline(repos, hub, env, tmp_path):
     r = generate(env, repos["conversion"], "--speculative", "mtp")
     assert r.returncode == 0, r.stderr
-    assert f"dyno: fetching the MTP head of org/original" in r.stderr and PROMISE in r.stderr
+    assert "dyno: fetching the MTP head of org/original" in r.stderr and PROMISE in r.stderr
     out = json.loads(r.stdout)
     lm = load_model(repos["conversion"], mode="off")
     assert out["tokens"] == plain_greedy(lm, lm.tokenizer.encode(PROMPT), 40)

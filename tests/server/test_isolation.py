@@ -10,15 +10,17 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
-from conftest import plain_greedy
+from helpers.reference import plain_greedy
 from dyno_ui.runtime.textstream import TextAssembler
 from dyno_ui.runtime.outputs import Failed, Finished
 from dyno_ui.runtime.worker import Job, greedy_row, guarded
-from serving import MODEL_ID, detokenize, running_server
+from helpers.serving import MODEL_ID, detokenize, running_server
 from speculative.bench import run_mlx_lm
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.stats import GenerationStats
+
+pytestmark = pytest.mark.e2e
 
 PROMPT = "def add(a, b):"
 

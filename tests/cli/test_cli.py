@@ -3,23 +3,18 @@
 import argparse
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-import tiny_models
-from conftest import plain_greedy
+from helpers.run import dyno
+
+from helpers import tiny_models
+from helpers.reference import plain_greedy
 from dyno_ui.cli.generate import sampling_from
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.e2e
+
 SUMMARY = re.compile(r"^MTP: (\d+) tokens in (\d+) rounds \((\d+\.\d\d) per round\), (\d+)/(\d+) drafts accepted$")
-
-
-def dyno(*args):
-    return subprocess.run([sys.executable, "-m", "dyno_ui", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
 
 
 def test_json_output_is_plain_greedy(tiny_dir, tiny_lm):

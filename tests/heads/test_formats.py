@@ -3,8 +3,8 @@
 import pytest
 
 import mlx.core as mx
-import tiny_models
-from conftest import plain_greedy
+from helpers import tiny_models
+from helpers.reference import plain_greedy
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.events import Token

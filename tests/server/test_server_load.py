@@ -9,9 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import plain_greedy
-from serving import MODEL_ID, detokenize, running_server, split_think
+from helpers.reference import plain_greedy
+from helpers.serving import MODEL_ID, detokenize, running_server, split_think
 from speculative.config import SpecConfig
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CLIENTS, REQUESTS, MAX_TOKENS = 8, 5, 12
 

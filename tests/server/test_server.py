@@ -5,13 +5,15 @@ import shutil
 
 import pytest
 
-from conftest import plain_greedy
+from helpers.reference import plain_greedy
 from dyno_ui import cli
 from dyno_ui.server.openai.schema import ChatCompletionRequest
-from serving import MODEL_ID, detokenize, running_server, split_think
+from helpers.serving import MODEL_ID, detokenize, running_server, split_think
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.stats import GenerationStats
+
+pytestmark = pytest.mark.e2e
 
 CODE = "class Stack:\n    def push(self, item):\n"
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A stack, please."}]

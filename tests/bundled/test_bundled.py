@@ -12,7 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import plain_greedy
+from helpers.reference import plain_greedy
+from helpers.run import dyno
 from dyno_ui.paths import BUNDLED_MODEL
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
@@ -21,6 +22,7 @@ from speculative.loader import load_model
 from speculative.mtp import build_head, read_checkpoint_head
 from speculative.tensors import read_header, read_tensors
 
+PROMPT = "def add(a, b):\n    return a + b\n"
 BUNDLED_MLX = BUNDLED_MODEL.parent / "dyno-tiny-mlx"
 # The reference computes in fp32 on the exported bf16 weights; so do we (weights read in fp32).
 # Different kernels and summation orders (chunked vs recurrent Gated DeltaNet) leave differences up
@@ -113,15 +115,13 @@ def test_mlx_conversion_gets_its_head_back_from_the_hub(tmp_path):
     """The bundled MLX conversion (head dropped by mlx_lm.convert) names the original as base_model;
     served by a real HTTP server speaking the Hub's protocol, Dyno fetches only the head, drafts
     with it, and the output is plain greedy decoding of the conversion, token for token."""
-    from test_heads import PROMPT, dyno
-
-    from fake_hub import FakeHub
+    from helpers.fake_hub import FakeHub
 
     with FakeHub() as hub:
         hub.add("dyno-project/dyno-tiny", BUNDLED_MODEL)
         env = clean_env(tmp_path, HF_ENDPOINT=hub.url, HF_HUB_DISABLE_TELEMETRY="1")
-        r = dyno(env, "generate", "--model", str(BUNDLED_MLX), "--prompt", PROMPT, "--max-tokens", "60",
-                 "--speculative", "mtp", "--draft-depth", "3", "--temp", "0", "--json")
+        r = dyno("generate", "--model", str(BUNDLED_MLX), "--prompt", PROMPT, "--max-tokens", "60",
+                 "--speculative", "mtp", "--draft-depth", "3", "--temp", "0", "--json", env=env)
         assert r.returncode == 0, r.stderr
         assert "dyno: fetching the MTP head of dyno-project/dyno-tiny" in r.stderr
         head_bytes = sum(e["data_offsets"][1] - e["data_offsets"][0] for shard in BUNDLED_MODEL.glob("*.safetensors")
@@ -136,12 +136,10 @@ def test_mlx_conversion_gets_its_head_back_from_the_hub(tmp_path):
 
 def test_generate_defaults_to_the_bundled_model(tmp_path):
     """`dyno generate` with no --model runs dyno-tiny offline, drafting, and prints the MTP line."""
-    from test_heads import dyno
-
     env = clean_env(tmp_path, HF_HUB_OFFLINE="1")
     # A fixed depth: `auto` is measured on this machine and may pick any depth (tested elsewhere).
-    r = dyno(env, "generate", "--prompt", "def read_config(path):\n", "--max-tokens", "48", "--temp", "0",
-             "--draft-depth", "2", "--json")
+    r = dyno("generate", "--prompt", "def read_config(path):\n", "--max-tokens", "48", "--temp", "0",
+             "--draft-depth", "2", "--json", env=env)
     assert r.returncode == 0, r.stderr
     line = [x for x in r.stderr.splitlines() if x.startswith("MTP: ")]
     assert len(line) == 1, r.stderr

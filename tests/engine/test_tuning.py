@@ -2,15 +2,12 @@
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-from conftest import plain_greedy
-from test_greedy_equality import record_drafts, replay
+from helpers.reference import plain_greedy
+from helpers.run import dyno
+from helpers.drafts import record_drafts, replay
 from speculative.tuning import best_by_cost, expected_tokens_per_round
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_best_by_cost_trades_acceptance_for_verify_cost():
@@ -38,8 +35,7 @@ def test_best_by_cost_charges_each_head_step_in_units_of_T1():
 
 def test_tune_then_auto_uses_stored_depth(tiny_dir, tmp_path):
     env = dict(os.environ, DYNO_CACHE=str(tmp_path))
-    run = lambda *a: subprocess.run([sys.executable, "-m", "dyno_ui", *a], capture_output=True, text=True,
-                                    cwd=ROOT, env=env, timeout=300)
+    run = lambda *a: dyno(*a, env=env)  # noqa: E731
     tuned = run("tune", "--model", str(tiny_dir()), "--max-tokens", "20", "--pairs", "1")
     assert tuned.returncode == 0, tuned.stderr
     table = json.loads((tmp_path / "tune.json").read_text())

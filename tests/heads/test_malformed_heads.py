@@ -4,20 +4,18 @@
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
-import tiny_models
+from helpers import tiny_models
+from helpers.run import dyno
 from speculative.errors import DynoError
 from speculative.heads import cached_head_path
 from speculative.loader import load_model
 from speculative.mtp import read_checkpoint_head, write_head_folder
 
-ROOT = Path(__file__).resolve().parent.parent
 NOTICE = "dyno: decoding without drafts: "
 INDEX = "model.safetensors.index.json"
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -272,9 +270,8 @@ def test_unwritable_cache_is_one_line(tiny_dir, tmp_path):
 def test_cli_broken_head_folder_is_one_error_line(tiny_dir, tmp_path):
     folder = head_folder(tiny_dir(), tmp_path / "head")
     message = no_norms_shifted(folder)
-    r = subprocess.run([sys.executable, "-m", "dyno_ui", "generate", "--model", str(tiny_dir()), "--prompt", "x",
-                        "--max-tokens", "4", "--speculative", "mtp", "--mtp-head", str(folder)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = dyno("generate", "--model", str(tiny_dir()), "--prompt", "x", "--max-tokens", "4", "--speculative", "mtp",
+             "--mtp-head", str(folder))
     assert r.returncode == 2
     assert r.stderr == f"dyno: error: {message}\n"
     assert r.stdout == ""

@@ -12,7 +12,19 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5
 
-from speculative.mtp import MTPHead, _NORM_RE
+from speculative.mtp import MTPHead, NORM_RE
+
+# Configs that vary what the engine must get right: tying, GQA ratio, GDN head ratio, wrapper.
+# Seeds are ones whose greedy text runs 200 tokens without hitting EOS.
+CONFIGS = {
+    "tied-gqa2": dict(seed=1),
+    "untied-mha": dict(seed=10, tie_word_embeddings=False, num_key_value_heads=4),
+    "gqa4-gdn1to1": dict(seed=11, num_key_value_heads=1, linear_num_value_heads=2, num_hidden_layers=8),
+    "text-only": dict(seed=4, wrapper=False, linear_num_key_heads=1, linear_num_value_heads=4),
+    "moe-fused": dict(seed=7, moe=True),
+    "moe-per-expert": dict(seed=7, moe=True, head_experts="per-expert", wrapper=False),
+}
+
 
 VOCAB = 320  # 256 byte tokens + specials, padded like real vocabularies
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -131,7 +143,7 @@ def build(folder, seed: int = 0, with_head: bool = True, dtype=mx.float32, wrapp
         hp = _randomize_norms(dict(tree_flatten(head.parameters())), mx.random.split(key)[1])
         hp = _hf_experts(hp, per_expert=head_experts == "per-expert")
         for name, v in hp.items():
-            weights[f"mtp.{name}"] = (v - 1.0 if _NORM_RE.match(name) else v).astype(dtype)
+            weights[f"mtp.{name}"] = (v - 1.0 if NORM_RE.match(name) else v).astype(dtype)
     names = sorted(weights)
     # Two shards with an index, the head in the last one, like real releases.
     trunk = [n for n in names if not n.startswith("mtp.")]

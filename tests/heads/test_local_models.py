@@ -1,16 +1,16 @@
 """The local-model listing behind `dyno models` and the playground's Models tab: each model once."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers.run import dyno
+
 from dyno_ui.paths import BUNDLED_MODEL, local_folders
 from speculative.head_store import local_models
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").exists(), reason="needs the bundled model")
 
 
@@ -41,8 +41,7 @@ def test_hugging_face_cache_models_are_listed_once_each(tmp_path):
     snap = _snapshot(tmp_path / "hf", "org/tiny-copy", BUNDLED_MODEL)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_"))}
     env.update(HF_HUB_CACHE=str(tmp_path / "hf"), DYNO_CACHE=str(tmp_path / "dyno"), HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-m", "dyno_ui", "models", str(snap)], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=300)
+    r = dyno("models", str(snap), env=env)
     assert r.returncode == 0, r.stderr
     rows = [line.split() for line in r.stdout.splitlines()[1:]]
     assert [Path(row[0]) for row in rows] == [BUNDLED_MODEL, snap], r.stdout

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-import tiny_models
+from helpers import tiny_models
 from speculative.errors import DynoError
 from speculative.loader import load_model
 from speculative.mtp import read_checkpoint_head, read_head_folder, write_head_folder
@@ -55,8 +55,6 @@ def test_head_folder_roundtrip_is_not_shifted_again(tiny_dir, tiny_lm, tmp_path)
 
 def test_mlx_checkpoint_that_kept_its_head(tiny_dir, tiny_lm, tmp_path):
     """An MLX conversion (sanitized conv1d) whose mtp.* norms were converted with the trunk."""
-    from mlx_lm.utils import save_model
-
     lm = tiny_lm()
     out = tmp_path / "mlx"
     shutil.copytree(tiny_dir(), out, ignore=shutil.ignore_patterns("*.safetensors*"))

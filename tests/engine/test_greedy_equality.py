@@ -6,7 +6,9 @@ import random
 import pytest
 import mlx.core as mx
 
-from conftest import CONFIGS, plain_greedy
+from helpers.drafts import record_drafts, replay
+from helpers.reference import plain_greedy
+from helpers.tiny_models import CONFIGS
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
 from speculative.events import Provenance, Round, Token
@@ -18,34 +20,6 @@ def run(lm, prompt, depth, n=200, prefill_step=2048):
     events = list(generate(lm, prompt, SamplingParams(max_tokens=n), SpecConfig("mtp", depth),
                            prefill_step=prefill_step))
     return [e for e in events if isinstance(e, Token)], [e for e in events if isinstance(e, Round)]
-
-
-def record_drafts(monkeypatch) -> list:
-    """The engine's [k] draft tokens, one array per round, recorded as Speculator._draft returns them."""
-    log, draft = [], Speculator._draft
-
-    def recording(self, k):
-        tokens, probs = draft(self, k)
-        log.append(tokens)
-        return tokens, probs
-
-    monkeypatch.setattr(Speculator, "_draft", recording)
-    return log
-
-
-def replay(drafts, reference, n):
-    """The greedy rule replayed by hand: per round, how many drafts it keeps (the leading ones equal
-    to plain greedy's `reference` at their positions), for rounds until `n` tokens are out."""
-    kept, out = [], 1  # the first token comes from prefill
-    for d in drafts:
-        if out >= n:
-            break
-        a = 0
-        while a < len(d) and d[a] == reference[out + a]:
-            a += 1
-        kept.append(a)
-        out += a + 1
-    return kept
 
 
 def provenance(kept, depth):
