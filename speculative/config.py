@@ -2,9 +2,12 @@
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Mapping, Optional, Tuple, Union
 
 from .errors import DynoError
+
+if TYPE_CHECKING:  # constraints.py pulls in MLX and llguidance, which settings alone do not need
+    from .constraints import Constraint
 
 MODES = ("auto", "mtp", "off")
 MAX_DRAFT_DEPTH = 8
@@ -32,6 +35,8 @@ class SamplingParams:
     presence_context_size: int = PENALTY_CONTEXT
     frequency_penalty: float = 0.0
     frequency_context_size: int = PENALTY_CONTEXT
+    # Structured output (constraints.py): a grammar mask, also a function of the generated tokens.
+    constraint: Optional["Constraint"] = None
 
     def __post_init__(self):
         def bad(what):
@@ -70,6 +75,11 @@ class SamplingParams:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.constraint is not None:
+            from .constraints import Constraint  # already loaded: the caller made one
+
+            if not isinstance(self.constraint, Constraint):
+                bad(f"constraint must be a Constraint (speculative.constraints), got {type(self.constraint).__name__}")
         if self.seed is not None:
             if not isinstance(self.seed, int) or isinstance(self.seed, bool):
                 bad(f"seed must be an integer, got {self.seed!r}")
@@ -95,10 +105,15 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def has_processors(self) -> bool:
-        """True when logit bias or a penalty changes the logits before the warp."""
+    def has_penalties(self) -> bool:
+        """True when logit bias or a penalty (mlx-lm's processors) changes the logits."""
         return bool(self.logit_bias) or (self.repetition_penalty not in (None, 1.0)) or bool(
             self.presence_penalty) or bool(self.frequency_penalty)
+
+    @property
+    def has_processors(self) -> bool:
+        """True when logit bias, a penalty or a constraint changes the logits before the warp."""
+        return self.has_penalties or self.constraint is not None
 
 
 @dataclass(frozen=True)

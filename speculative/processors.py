@@ -1,10 +1,11 @@
-"""Logit bias and repetition/presence/frequency penalties, applied position by position.
+"""Logit bias, repetition/presence/frequency penalties and a grammar, applied position by position.
 
-They are mlx-lm's own processors (`make_logits_processors`), so plain decoding and speculative
-decoding transform logits identically. Each one is a function of the token prefix only, which is
-what keeps drafting exact: the row that scores position i (draft or target) is processed with the
-tokens before position i, drafts included, exactly as plain decoding would have processed it had
-those drafts been its own tokens.
+The penalties are mlx-lm's own processors (`make_logits_processors`) and the grammar is
+constraints.py's mask, last, so plain decoding and speculative decoding transform logits
+identically. Each one is a function of the token prefix only, which is what keeps drafting exact:
+the row that scores position i (draft or target) is processed with the tokens before position i,
+drafts included, exactly as plain decoding would have processed it had those drafts been its own
+tokens.
 """
 
 from typing import Callable, List, Optional, Sequence
@@ -18,18 +19,22 @@ Processor = Callable[[mx.array, mx.array], mx.array]
 
 
 def processors_for(params: SamplingParams) -> List[Processor]:
-    """mlx-lm's logits processors for these parameters (empty when none apply)."""
-    if not params.has_processors:
-        return []
-    return make_logits_processors(
-        dict(params.logit_bias) if params.logit_bias else None,
-        params.repetition_penalty,
-        params.repetition_context_size,
-        params.presence_penalty,
-        params.presence_context_size,
-        params.frequency_penalty,
-        params.frequency_context_size,
-    )
+    """The logits processors for these parameters (empty when none apply), fresh for one generation:
+    mlx-lm's penalties, then the constraint's grammar mask (it keeps a matcher per generation)."""
+    processors = []
+    if params.has_penalties:
+        processors = make_logits_processors(
+            dict(params.logit_bias) if params.logit_bias else None,
+            params.repetition_penalty,
+            params.repetition_context_size,
+            params.presence_penalty,
+            params.presence_context_size,
+            params.frequency_penalty,
+            params.frequency_context_size,
+        )
+    if params.constraint is not None:
+        processors.append(params.constraint.processor())
+    return processors
 
 
 def with_prefix(processors: Sequence[Processor], prefix: Sequence[int]) -> List[Processor]:
@@ -51,13 +56,21 @@ class PrefixProcessors:
         self.processors = processors_for(params)
         self.window = max(params.repetition_context_size, params.presence_context_size,
                           params.frequency_context_size)
+        self.whole_output = params.constraint is not None  # a grammar reads every generated token
 
     def __bool__(self) -> bool:
         return bool(self.processors)
 
     def tail(self, prompt: Sequence[int], generated: Sequence[int]) -> mx.array:
-        """The last `window` tokens of prompt + generated: all any processor reads of them."""
+        """The last `window` tokens of prompt + generated: all any processor reads of them.
+
+        With a grammar, every generated token after the prompt's last `window` (penalties read
+        only their window's end): the prompt part keeps its length, which is how the grammar
+        tells generated tokens from the prompt (GrammarProcessor takes its first call as prompt).
+        """
         w = self.window
+        if self.whole_output:
+            return mx.array(list(prompt[-w:]) + list(generated))
         return mx.array((list(prompt[-w:]) + list(generated[-w:]))[-w:])
 
     def row(self, logits: mx.array, history: mx.array, drafts: Optional[mx.array] = None) -> mx.array:
