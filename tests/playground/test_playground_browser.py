@@ -46,7 +46,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def url(model_dir):
     """`python app.py`'s app (API + playground in front) on a free port, in this process."""
-    from serving import serving_in_thread
+    from helpers.serving import serving_in_thread
 
     from dyno_ui.runtime.served import ServedModel
     from dyno_ui.server.run import make_app
