@@ -77,7 +77,8 @@ def lm_head_module(target):
 def draft_lm_head(lm, size: Optional[int]):
     """The draft step's vocabulary projection for `size` tokens (FULL or >= vocab: the trunk's own)."""
     vocab = lm.target.args.vocab_size
-    if size is FULL or size >= vocab:
+    split = getattr(lm.target.text, "sharding_group", None) is not None  # tensor parallel: rows across ranks
+    if size is FULL or size >= vocab or split:
         return lm.target.lm_head
     per_target = _built.setdefault(lm.target, {})
     if size not in per_target:  # slicing the rows copies them once per model and size

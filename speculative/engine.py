@@ -7,7 +7,7 @@ reuse live outside it.
 
 import random
 import time
-from typing import Generator, Iterator, List, Optional, Sequence, Union
+from typing import Generator, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -116,6 +116,14 @@ class PlainRun:
         return PrefixEntry(tuple(self.fed), self.cache)
 
 
+def local_outcome(next_token: mx.array, n_accepted: Optional[mx.array] = None,
+                  drafts: Optional[mx.array] = None) -> Tuple[int, int, List[int]]:
+    """(next token, accepted count, drafts) as Python values: one host sync (one process)."""
+    mx.eval(*(x for x in (next_token, n_accepted, drafts) if x is not None))
+    return (next_token.item(), 0 if n_accepted is None else n_accepted.item(),
+            [] if drafts is None else drafts.tolist())
+
+
 class Speculator:
     """State of one speculative generation: trunk and head caches, the pending token, the RNG."""
 
@@ -127,6 +135,8 @@ class Speculator:
         self.trunk_cache = self.target.make_cache()
         self.head_cache = self.head.make_cache()
         self.processors = PrefixProcessors(params)
+        # The round's outcome as Python values; split across processes, rank 0's for every rank.
+        self.outcome = lm.ranks.outcome if lm.ranks is not None else local_outcome
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         self.key = mx.random.key(seed)
         self.prompt: List[int] = []
@@ -177,6 +187,7 @@ class Speculator:
             mx.eval([c.state for c in self.trunk_cache + self.head_cache])
         hidden = self.target.hidden(tokens[None, n - 1 :], self.trunk_cache)
         first, _ = self._pick_target(self._process(self.target.lm_head(hidden[:, -1])))
+        first = mx.array([self.outcome(first)[0]], dtype=first.dtype)
         self.head_hidden = self._head(first, hidden)[:, -1:]  # row n-1 drafts position n+1
         self.pending = first
         self.last_pass = ([], hidden[:, -1:], 1)
@@ -222,15 +233,15 @@ class Speculator:
         else:
             target_probs = mx.exp(warp(logits, self.params))
             n_acc, nxt = lossless_accept(drafts, draft_probs, target_probs, self._split())
-        mx.eval(n_acc, nxt, drafts)
-        # The one host sync of the round: read everything now, while the stream is idle; a read
-        # after the async_eval below would wait for that work to finish.
-        a, next_id = n_acc.item(), nxt.item()
-        accepted = drafts.tolist()[:a]
+        # The one host sync of the round (across ranks, its one collective: rank 0's outcome for
+        # all). Read everything now, while the stream is idle; a read after the async_eval below
+        # would wait for that work to finish.
+        next_id, a, drafted = self.outcome(nxt, n_acc, drafts)
+        accepted = drafted[:a]
         rollback(self.trunk_cache, tapes, fed=k + 1, consumed=a + 1)
         for c in self.head_cache:  # drop the recursive rows: committed rows come from trunk hiddens
             c.trim(c.offset - cycle_start)
-        nxt = nxt.reshape(1)
+        nxt = mx.array([next_id], dtype=drafts.dtype)
         committed = mx.concatenate([drafts[:a], nxt])
         self.head_hidden = self._head(committed, hidden[:, : a + 1])[:, -1:]
         mx.async_eval(self.head_hidden)  # and the committed head rows while the caller handles this round

@@ -3,8 +3,9 @@
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from .backend import widen_experts
@@ -35,6 +36,7 @@ class LoadedModel:
     notices: List[str] = field(default_factory=list)
     generation_config: dict = field(default_factory=dict)
     head_memory: Optional[HeadMemory] = None  # bytes, precision and source of the head in memory
+    ranks: Optional[Any] = None  # distributed.Ranks when the model is split across processes, else None
 
     @property
     def text_config(self) -> dict:
@@ -69,12 +71,14 @@ def _read_json(path: Path, what: str) -> dict:
 
 
 def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_base: Optional[str] = None,
-               notify: Optional[Callable[[str], None]] = None, head_bits=None) -> LoadedModel:
+               notify: Optional[Callable[[str], None]] = None, head_bits=None,
+               shard: Optional[Callable[[nn.Module], None]] = None) -> LoadedModel:
     """Load `path` with mlx-lm; attach its MTP head unless mode is "off".
 
     `notify` receives notices while loading (e.g. before a head download, and the head's
     `MTP head: ...` memory line); they are also kept in `notices`. `head_bits` (16, 8, 4, or
     None/"auto": follow the trunk, see precision.py) is the precision the head is kept at.
+    `shard` (distributed.py) splits the lazily loaded model before its weights are read.
     """
     precision.parse_head_bits(head_bits)  # a bad value fails before anything loads
     path = Path(path).expanduser()
@@ -94,7 +98,10 @@ def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_bas
 
     overrides = {"model_type": _MLX_LM_TYPE[model_type]} if model_type in _MLX_LM_TYPE else {}
     try:
-        model, tokenizer = mlx_lm_load(str(path), model_config=overrides)
+        model, tokenizer = mlx_lm_load(str(path), model_config=overrides, lazy=shard is not None)
+        if shard is not None:  # mlx-lm's own sharding, as its sharded_load: each rank reads its part only
+            shard(model)
+            mx.eval(model.parameters())
     except DynoError:
         raise
     except Exception as e:  # mlx-lm raises many types; the user needs one line

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask, gather_last_axis
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
 from .cache import GDNTape
@@ -72,7 +72,10 @@ def _gdn_inputs(layer, x: mx.array, mask, conv_state: mx.array):
 
 def _gdn_output(layer, out: mx.array, z: mx.array) -> mx.array:
     B, S = out.shape[:2]
-    return layer.out_proj(layer.norm(out, z).reshape(B, S, -1))
+    out = layer.out_proj(layer.norm(out, z).reshape(B, S, -1))
+    if getattr(layer, "sharding_group", None) is not None:  # tensor parallel: sum the ranks' heads, as mlx-lm
+        out = mx.distributed.all_sum(out, group=layer.sharding_group)
+    return out
 
 
 def _linear_layer(layer, h: mx.array, conv_state: mx.array, state: mx.array):
@@ -158,6 +161,24 @@ def _advance(layer, cache, conv_input: mx.array, final: mx.array) -> None:
     cache.advance(conv_input.shape[1] - (layer.conv_kernel_size - 1))
 
 
+def _from_previous_stage(body, h: mx.array) -> mx.array:
+    """Pipeline parallel, as mlx-lm's Qwen3_5TextModel: the last rank runs the first layers; every
+    other rank starts from the output of the rank above it. One process: `h` itself."""
+    if body.pipeline_rank < body.pipeline_size - 1:
+        h = mx.distributed.recv_like(h, body.pipeline_rank + 1)
+    return h
+
+
+def _to_next_stage(body, h: mx.array) -> mx.array:
+    """Hand this stage's output down the pipeline; rank 0's (the last layers') reaches every rank,
+    so every rank has the final hidden state (and the MTP head can run on each)."""
+    if body.pipeline_rank != 0:
+        h = mx.distributed.send(h, (body.pipeline_rank - 1) % body.pipeline_size)
+    if body.pipeline_size > 1:
+        h = mx.distributed.all_gather(h)[: h.shape[0]]
+    return h
+
+
 class Target:
     """A loaded mlx-lm Qwen3.5-family model, exposed as the trunk the engine drafts against."""
 
@@ -181,7 +202,10 @@ class Target:
     def lm_head(self, hidden: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
             return self.body.embed_tokens.as_linear(hidden)
-        return self.text.lm_head(hidden)
+        logits = self.text.lm_head(hidden)
+        if getattr(self.text, "sharding_group", None) is not None:  # tensor parallel: a vocabulary slice per rank
+            logits = gather_last_axis(logits, self.text.sharding_group)
+        return logits
 
     def hidden(self, tokens: mx.array, cache) -> mx.array:
         """Post-norm hidden states [B, T, H]; the same ops as mlx-lm's own forward."""
@@ -191,10 +215,12 @@ class Target:
         """Forward [B, T] tokens keeping rollback tapes: (logits, hidden, tapes)."""
         body = self.body
         h = body.embed_tokens(tokens)
-        fa_mask = create_attention_mask(h, cache[body.fa_idx])
-        ssm_mask = create_ssm_mask(h, cache[body.ssm_idx])
+        # A pipeline stage may hold no layer of a kind (mlx-lm sets its index to None then).
+        fa_mask = create_attention_mask(h, cache[body.fa_idx]) if body.fa_idx is not None else None
+        ssm_mask = create_ssm_mask(h, cache[body.ssm_idx]) if body.ssm_idx is not None else None
+        h = _from_previous_stage(body, h)
         tapes = []
-        for i, (layer, c) in enumerate(zip(body.layers, cache)):
+        for i, (layer, c) in enumerate(zip(body.pipeline_layers, cache)):
             if not layer.is_linear:
                 h = layer(h, mask=fa_mask, cache=c)
             elif self.compile_layers and ssm_mask is None and not _kernel_path(layer.linear_attn):
@@ -206,7 +232,7 @@ class Target:
                 tapes.append(tape)
                 h = h + r
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
-        hidden = body.norm(h)
+        hidden = body.norm(_to_next_stage(body, h))
         return self.lm_head(hidden), hidden, tapes
 
     def _linear(self, i: int, layer, h: mx.array, cache) -> Tuple[mx.array, GDNTape]:
