@@ -7,10 +7,22 @@ without a second trunk forward.
 """
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.gated_delta import gated_delta_update
+
+
+class Replay(NamedTuple):
+    """A verify pass's step inputs for one GDN layer, kept where only its final state exists (the
+    Metal kernel): the state after any prefix is recomputed from them on commit."""
+
+    q: mx.array
+    k: mx.array
+    v: mx.array
+    a: mx.array
+    b: mx.array
+    layer: Any  # the GatedDeltaNet module (A_log, dt_bias)
 
 
 @dataclass
@@ -21,7 +33,7 @@ class GDNTape:
     conv_input: mx.array  # [B, K-1+T, C]: window before verify, then the T new qkv rows
     state_before: mx.array  # [B, Hv, Dv, Dk] fp32
     states: Optional[List[mx.array]]  # state after each step (portable path)
-    replay: Optional[tuple]  # (q, k, v, a, b, layer) when only the final state exists
+    replay: Optional[Replay]  # when only the final state exists
 
     def commit(self, consumed: int) -> None:
         """Make the cache hold the state after the first `consumed` verify tokens."""
@@ -39,7 +51,7 @@ class GDNTape:
             )
 
     def _steps(self) -> Sequence:
-        return self.states if self.states is not None else range(self.replay[0].shape[1])
+        return self.states if self.states is not None else range(self.replay.q.shape[1])
 
 
 def snapshot(cache: List[Any]) -> list:

@@ -1,19 +1,19 @@
 """Generation: plain decoding through mlx-lm, or MTP draft -> verify -> accept -> rollback.
 
 Both paths are generators of events (Token, Round, Done); text, streaming and statistics are
-layers above. The speculative round is `_round`; prefill, stopping, logits processors and prefix
+layers above. The speculative round is `step`; prefill, stopping, logits processors and prefix
 reuse live outside it.
 """
 
 import random
 import time
-from typing import Generator, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Generator, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from .cache import rollback
+from .cache import GDNTape, rollback
 from .config import SamplingParams, SpecConfig
 from .draft_vocab import draft_lm_head
 from .errors import DynoError
@@ -124,6 +124,14 @@ def local_outcome(next_token: mx.array, n_accepted: Optional[mx.array] = None,
             [] if drafts is None else drafts.tolist())
 
 
+class LastPass(NamedTuple):
+    """The latest trunk pass, kept so that `snapshot` can settle the caches at any emitted token."""
+
+    tapes: List[GDNTape]  # what its GDN layers saw (empty after prefill: nothing to roll back)
+    hidden: mx.array  # [1, T, H] trunk hiddens of the tokens it fed
+    committed: int  # how many of those tokens were kept
+
+
 class Speculator:
     """State of one speculative generation: trunk and head caches, the pending token, the RNG."""
 
@@ -141,7 +149,9 @@ class Speculator:
         self.key = mx.random.key(seed)
         self.prompt: List[int] = []
         self.generated: List[int] = []  # tokens emitted so far (the last one is still uncached)
-        self.last_pass = None  # (tapes, hidden, committed) of the latest trunk pass, for snapshot()
+        self.head_hidden: Optional[mx.array] = None  # head output of the last committed row: drafts start here
+        self.pending: Optional[mx.array] = None  # the token emitted but not yet fed to the trunk
+        self.last_pass: Optional[LastPass] = None
 
     def _split(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -190,7 +200,7 @@ class Speculator:
         first = mx.array([self.outcome(first)[0]], dtype=first.dtype)
         self.head_hidden = self._head(first, hidden)[:, -1:]  # row n-1 drafts position n+1
         self.pending = first
-        self.last_pass = ([], hidden[:, -1:], 1)
+        self.last_pass = LastPass([], hidden[:, -1:], 1)
         return first
 
     def _pick_target(self, logits: mx.array):
@@ -198,7 +208,7 @@ class Speculator:
             return mx.argmax(log_softmax(logits), axis=-1), None
         return draw(warp(logits, self.params), self._split()), None
 
-    def _draft(self, k: int):
+    def draft(self, k: int):
         """k head drafts by recursion: ([k] tokens, [k, V] draft probs or None when greedy)."""
         drafts, draft_probs = [], []
         g = self.head_hidden  # head post-norm output of the last committed row
@@ -215,14 +225,14 @@ class Speculator:
         probs = None if self.params.greedy else mx.concatenate(draft_probs)
         return mx.concatenate(drafts), probs
 
-    def _round(self):
+    def step(self):
         """Draft k tokens, verify them in one trunk pass, keep the accepted prefix, roll back.
 
         Returns (accepted draft tokens, next token); next is the correction or the bonus.
         """
         k = self.depth
         cycle_start = self.head_cache[0].offset
-        drafts, draft_probs = self._draft(k)
+        drafts, draft_probs = self.draft(k)
         mx.async_eval(drafts)  # the head computes while Python builds the verify graph below
         logits, hidden, tapes = self.target.verify(
             mx.concatenate([self.pending, drafts])[None], self.trunk_cache
@@ -246,7 +256,7 @@ class Speculator:
         self.head_hidden = self._head(committed, hidden[:, : a + 1])[:, -1:]
         mx.async_eval(self.head_hidden)  # and the committed head rows while the caller handles this round
         self.pending = nxt
-        self.last_pass = (tapes, hidden, a + 1)
+        self.last_pass = LastPass(tapes, hidden, a + 1)
         self.generated += accepted + [next_id]
         return accepted, next_id
 
@@ -256,7 +266,7 @@ class Speculator:
         self.generated = [self.prefill(self.prompt, resume).item()]
         yield Token(self.generated[0], Provenance.PLAIN)
         while True:
-            accepted, nxt = self._round()
+            accepted, nxt = self.step()
             yield Round(self.depth, len(accepted))
             for t in accepted:
                 yield Token(t, Provenance.DRAFT)

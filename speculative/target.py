@@ -13,10 +13,10 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask, gather_last_axis
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
-from .cache import GDNTape
+from .cache import GDNTape, Replay
 
 
-def _kernel_path(layer) -> bool:
+def kernel_path(layer) -> bool:
     """Mirror of gated_delta_update's dispatch: True when it would use the Metal kernel."""
     return (
         not layer.training
@@ -78,7 +78,7 @@ def _gdn_output(layer, out: mx.array, z: mx.array) -> mx.array:
     return out
 
 
-def _linear_layer(layer, h: mx.array, conv_state: mx.array, state: mx.array):
+def linear_layer(layer, h: mx.array, conv_state: mx.array, state: mx.array):
     """A whole Gated DeltaNet decoder layer on the portable path, as a pure function of its inputs
     (so that it compiles): (h after the layer, conv input rows, the state after every step)."""
     gdn = layer.linear_attn
@@ -88,10 +88,10 @@ def _linear_layer(layer, h: mx.array, conv_state: mx.array, state: mx.array):
     return (h + layer.mlp(layer.post_attention_layernorm(h)), conv_input, *states)
 
 
-def compile_linear_layer(layer) -> Callable:
+def compilelinear_layer(layer) -> Callable:
     """Decoder layer `layer` (Gated DeltaNet) as one mx.compile'd call of (h, conv window, state)."""
     # inputs=layer.state: the compiled function follows the weights if they are replaced.
-    return mx.compile(partial(_linear_layer, layer), inputs=layer.state)
+    return mx.compile(partial(linear_layer, layer), inputs=layer.state)
 
 
 # Random inputs the first-use probe tries besides the caller's own: the caller's may be degenerate
@@ -112,7 +112,7 @@ def _like(x: mx.array, key: mx.array) -> mx.array:
 def _same_outputs(layer, compiled: Callable, inputs: tuple, plain_out=None) -> List[mx.array]:
     """Scalar bools, one per output (and one for their count): compiled == plain ops on `inputs`."""
     got = compiled(*inputs)
-    want = _linear_layer(layer, *inputs) if plain_out is None else plain_out
+    want = linear_layer(layer, *inputs) if plain_out is None else plain_out
     return [mx.array_equal(x, y) for x, y in zip(got, want)] + [mx.array(len(got) == len(want))]
 
 
@@ -142,10 +142,10 @@ def _gdn_forward(layer, x: mx.array, mask, cache) -> Tuple[mx.array, GDNTape]:
     """mlx-lm's GatedDeltaNet.__call__, op for op, keeping a rollback tape (masks, Metal kernel)."""
     conv_state, state_before = _initial_state(layer, cache, x.shape[0], x.dtype)
     q, k, v, a, b, z, conv_input = _gdn_inputs(layer, x, mask, conv_state)
-    if _kernel_path(layer):
+    if kernel_path(layer):
         # Fast kernel keeps only the final state: record the step inputs and replay on commit.
         out, final = gated_delta_update(q, k, v, a, b, layer.A_log, layer.dt_bias, state_before)
-        tape = GDNTape(cache, conv_input, state_before, None, (q, k, v, a, b, layer))
+        tape = GDNTape(cache, conv_input, state_before, None, Replay(q, k, v, a, b, layer))
     else:
         out, states = _recurrence_with_states(q, k, v, a, b, layer, state_before)
         final = states[-1]
@@ -183,7 +183,7 @@ class Target:
     """A loaded mlx-lm Qwen3.5-family model, exposed as the trunk the engine drafts against."""
 
     def __init__(self, model: nn.Module, compile_layers: bool = True,
-                 compiler: Callable = compile_linear_layer):
+                 compiler: Callable = compilelinear_layer):
         self.model = model
         self.text = model.language_model  # TextModel: .model (layers + norm), lm_head
         self.body = self.text.model
@@ -223,7 +223,7 @@ class Target:
         for i, (layer, c) in enumerate(zip(body.pipeline_layers, cache)):
             if not layer.is_linear:
                 h = layer(h, mask=fa_mask, cache=c)
-            elif self.compile_layers and ssm_mask is None and not _kernel_path(layer.linear_attn):
+            elif self.compile_layers and ssm_mask is None and not kernel_path(layer.linear_attn):
                 # The compiled layer takes no mask, and the Metal kernel path keeps replay tapes.
                 h, tape = self._linear(i, layer, h, c)
                 tapes.append(tape)
@@ -250,12 +250,12 @@ class Target:
         if i not in self._compiled:
             self._compiled[i] = self.compiler(layer)
         if key not in self._exact:
-            out = _linear_layer(layer, h, conv, state)
+            out = linear_layer(layer, h, conv, state)
             self._exact[key] = _probe(layer, self._compiled[i], (h, conv, state), out)
         elif self._exact[key]:
             out = self._compiled[i](h, conv, state)
         else:
-            out = _linear_layer(layer, h, conv, state)
+            out = linear_layer(layer, h, conv, state)
         h, conv_input, states = out[0], out[1], list(out[2:])
         _advance(gdn, cache, conv_input, states[-1])
         return h, GDNTape(cache, conv_input, state, states, None)

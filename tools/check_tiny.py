@@ -15,7 +15,6 @@ import argparse
 import json
 import pathlib
 import statistics
-import time
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -55,9 +55,9 @@ class OneRankHead(Speculator):
         mx.eval(hidden)
         return hidden  # never read: these ranks do not draft
 
-    def _draft(self, k):
+    def draft(self, k):
         ranks = self.ranks
-        drafts = super()._draft(k)[0] if ranks.rank == 0 else mx.zeros((k,), mx.uint32)
+        drafts = super().draft(k)[0] if ranks.rank == 0 else mx.zeros((k,), mx.uint32)
         return mx.distributed.all_sum(drafts.astype(mx.int32), group=ranks.group).astype(mx.uint32), None
 
 

@@ -46,7 +46,7 @@ def main() -> None:
     gdn = next(layer.linear_attn for layer in target.body.layers if layer.is_linear)
     others = [type(m).__name__ for _, m in lm.model.named_modules() if "Quantized" in type(m).__name__
               or "Switch" in type(m).__name__]
-    if target_mod._kernel_path(gdn) or others:
+    if target_mod.kernel_path(gdn) or others:
         # The split swaps out the portable recurrence and times nn.Linear alone: on the Metal
         # kernel path, or with quantized or expert layers, it would not add up.
         sys.exit(f"profile_verify: only dense, unquantized models off the Metal kernel path "

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from speculative.cache import restore, snapshot
-from speculative.target import Target, _linear_layer
+from speculative.target import Target, linear_layer
 
 
 def verify_twice(target, tokens, cache):
@@ -78,7 +78,7 @@ def verify_against_plain(lm, compiler, calls):
 
 def test_a_backend_where_compile_differs_keeps_the_plain_path(tiny_lm):
     def inexact(layer):  # stands for a backend whose fused kernels round differently on every input
-        plain = partial(_linear_layer, layer)
+        plain = partial(linear_layer, layer)
         return lambda *args: [x + 1e-3 if x.dtype == mx.float32 else x for x in plain(*args)]
 
     target, (first, second), want = verify_against_plain(tiny_lm("gqa4-gdn1to1"), inexact,
@@ -92,7 +92,7 @@ def off_on_varied_rows(layer):
     """A compiled layer that is exact where every row of its input is the same and off by 1e-3
     elsewhere: it passes a probe that looks only at the cost model's input (one token repeated,
     identical rows at the first layer), not one that also tries inputs like real ones."""
-    plain = partial(_linear_layer, layer)
+    plain = partial(linear_layer, layer)
 
     def call(h, conv, state):
         out = plain(h, conv, state)

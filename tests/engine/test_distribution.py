@@ -96,7 +96,7 @@ def test_warp_treats_verify_rows_like_single_rows():
 class ShadowSpeculator(Speculator):
     """Drafts from q: flatter than p on p's support, plus some mass off it (every ratio p/q occurs)."""
 
-    def _draft(self, k):
+    def draft(self, k):
         context = self.context + self.generated
         drafts, probs = [], []
         for _ in range(k):
@@ -155,7 +155,7 @@ class TrunkDrafter(Speculator):
     first draft is often kept, later ones often corrected (the random head's are almost never kept).
     Only committed prefixes are forwarded, the same ones the reference needs."""
 
-    def _draft(self, k):
+    def draft(self, k):
         history = self._history() if self.processors else None
         base = trunk_logits(self.lm, self.prompt + self.generated)
         drafts, probs = [], []

@@ -79,7 +79,7 @@ class ScriptedSpeculator(Speculator):
         super().__init__(*args, **kw)
         self.reference, self.right, self.script = reference, right, []
 
-    def _draft(self, k):
+    def draft(self, k):
         start = len(self.generated)
         ref = (self.reference + [0] * k)[start : start + k]
         flags = [self.right() for _ in ref]

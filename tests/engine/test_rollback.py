@@ -18,7 +18,7 @@ class CoinFlipSpeculator(Speculator):
         super().__init__(*args, **kw)
         self.reference, self.rng = reference, rng
 
-    def _draft(self, k):
+    def draft(self, k):
         start = len(self.generated)
         out = []
         for t in self.reference[start : start + k]:
@@ -78,7 +78,7 @@ def assert_caches_equal(spec, trunk, head_cache):
                                         ("moe-fused", "per-step-states")])
 def test_rollback_matches_fresh_run(tiny_lm, monkeypatch, name, path):
     if path == "replay":  # the branch Metal takes: only the final state, replay on commit
-        monkeypatch.setattr(target_mod, "_kernel_path", lambda layer: True)
+        monkeypatch.setattr(target_mod, "kernel_path", lambda layer: True)
     lm = tiny_lm(name)
     prompt = lm.tokenizer.encode("import os\nimport sys\n\n")
     reference = plain_greedy(lm, prompt, 80, stop_at_eos=False)
@@ -89,7 +89,7 @@ def test_rollback_matches_fresh_run(tiny_lm, monkeypatch, name, path):
     fresh = FreshRun(lm, prompt)
     seen = set()
     while len(spec.generated) < 60:
-        accepted, _ = spec._round()
+        accepted, _ = spec.step()
         seen.add(len(accepted))
         assert spec.generated == reference[: len(spec.generated)]
         assert_caches_equal(spec, *fresh.caches(prompt + spec.generated))

@@ -4,15 +4,15 @@ from speculative.engine import Speculator
 
 
 def record_drafts(monkeypatch) -> list:
-    """The engine's [k] draft tokens, one array per round, recorded as Speculator._draft returns them."""
-    log, draft = [], Speculator._draft
+    """The engine's [k] draft tokens, one array per round, recorded as Speculator.draft returns them."""
+    log, draft = [], Speculator.draft
 
     def recording(self, k):
         tokens, probs = draft(self, k)
         log.append(tokens)
         return tokens, probs
 
-    monkeypatch.setattr(Speculator, "_draft", recording)
+    monkeypatch.setattr(Speculator, "draft", recording)
     return log
 
 
