@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 from speculative.config import SpecConfig
 from speculative.errors import DynoError
@@ -23,9 +23,12 @@ class ModelOptions:
     mtp_head: Optional[str] = None
     mtp_head_bits: Optional[str] = None
     mtp_base: Optional[str] = None
+    distributed: Optional[str] = None  # "pipeline" or "tensor": split across the ranks of mlx.launch
 
     def __post_init__(self):
         """Every value checked before anything is loaded."""
+        if self.distributed not in (None, "pipeline", "tensor"):
+            raise DynoError(f"--distributed must be pipeline or tensor, got {self.distributed!r}")
         if self.draft_depth != "auto":
             SpecConfig(self.speculative, self.draft_depth)
         SpecConfig(self.speculative, draft_vocab=self.draft_vocab)
@@ -43,8 +46,21 @@ class ServeOptions:
     max_tokens_default: int = DEFAULT_MAX_TOKENS
     ui: bool = True  # the playground at /ui (serial decoding only)
     ui_front: bool = False  # `python app.py`: / redirects to the playground, Gradio's URL line last
+    api_key: Optional[str] = None  # required on /v1/* and for loading models in the playground
+    allowed_origins: Tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
+    served_model_names: Tuple[str, ...] = ()  # ids requests may use besides the model's folder name
 
     def __post_init__(self):
+        object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") or o for o in self.allowed_origins))
+        object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
+        if self.api_key is not None and not self.api_key.strip():
+            raise DynoError("--api-key must not be empty")
+        for origin in self.allowed_origins:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise DynoError(f"--allowed-origins takes origins such as https://example.com (or *), got {origin!r}")
+        for name in self.served_model_names:
+            if not name or name != name.strip():
+                raise DynoError(f"--served-model-name must be a non-empty name without surrounding spaces, got {name!r}")
         if self.decode_concurrency < 1:
             raise DynoError(f"--decode-concurrency must be at least 1, got {self.decode_concurrency}")
         if self.max_tokens_default < 1:

@@ -169,9 +169,8 @@ def _chosen_name(choice: Any) -> Optional[str]:
     raise DynoError(f"invalid tool_choice: {choice!r}")
 
 
-def tool_call_schema(tools: Sequence[Mapping], choice: Any = "required") -> Optional[dict]:
-    """JSON schema of one call {"name": ..., "arguments": {...}} of a tool `choice` allows, with the
-    arguments valid against that tool's parameters; None when the choice constrains nothing.
+def chosen_functions(tools: Sequence[Mapping], choice: Any = "required") -> Optional[List[tuple]]:
+    """(name, parameters schema) of each tool `choice` allows; None when the choice constrains nothing.
 
     choice: "required" (or Anthropic's "any" / {"type": "any"}) allows every tool; a named choice
     (see _chosen_name) only that tool; "auto", "none" and None give None.
@@ -186,39 +185,150 @@ def tool_call_schema(tools: Sequence[Mapping], choice: Any = "required") -> Opti
         functions = [f for f in functions if f["name"] == name]
         if not functions:
             raise DynoError(f"invalid tool_choice: no tool named {name!r} in tools")
-    calls = []
+    chosen = []
     for f in functions:
         parameters = f.get("parameters", f.get("input_schema"))
         if parameters is None:
             parameters = {"type": "object", "properties": {}}
         if not isinstance(parameters, Mapping):
             raise DynoError(f"invalid tools: the parameters of {f['name']!r} must be a JSON schema object")
-        calls.append({
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": dict(parameters)},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
+        chosen.append((f["name"], dict(parameters)))
+    return chosen
+
+
+def tool_call_schema(tools: Sequence[Mapping], choice: Any = "required") -> Optional[dict]:
+    """JSON schema of one call {"name": ..., "arguments": {...}} of a tool `choice` allows, with the
+    arguments valid against that tool's parameters; None when the choice constrains nothing
+    (choice as chosen_functions reads it)."""
+    chosen = chosen_functions(tools, choice)
+    if chosen is None:
+        return None
+    calls = [{
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    } for name, parameters in chosen]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 def tool_call_constraint(tools: Sequence[Mapping], choice: Any, lm, open: str = TOOL_CALL_OPEN,
-                         close: str = TOOL_CALL_CLOSE, parallel: bool = True) -> Optional[Constraint]:
-    """Output that is `open` + a call (tool_call_schema) + `close`, repeated when `parallel` (calls
-    separated by a newline, as Qwen's templates write them); None when the choice constrains nothing.
+                         close: str = TOOL_CALL_CLOSE, parallel: bool = True,
+                         form: str = "json") -> Optional[Constraint]:
+    """Output that is `open` + a call + `close`, repeated when `parallel` (calls separated by a
+    newline, as Qwen's templates write them); None when the choice constrains nothing.
 
+    form "json": the call is Qwen's JSON object (tool_call_schema). form "xml": the
+    `<function=NAME>` / `<parameter=KEY>` form of Qwen3.5 and Qwen3-Coder templates (xml_call_lark).
     The markers' special tokens (Qwen's <tool_call>) are matched as those tokens, not spelled out.
     """
-    schema = tool_call_schema(tools, choice)
-    if schema is None:
+    if form not in ("json", "xml"):
+        raise DynoError(f"invalid tool-call form {form!r}: json or xml")
+    chosen = chosen_functions(tools, choice)
+    if chosen is None:
         return None
-    _schema_grammar(schema, "tool schema")  # a non-serialisable schema fails with its own message
     vocab = vocabulary(lm)
-    schema = {"x-guidance": JSON_OPTIONS, **schema}  # inside Lark, %json takes options from the schema
-    call = f"{_lark_text(open, vocab)} %json {json.dumps(schema)} {_lark_text(close, vocab)}"
+    if form == "json":
+        schema = tool_call_schema(tools, choice)
+        _schema_grammar(schema, "tool schema")  # a non-serialisable schema fails with its own message
+        schema = {"x-guidance": JSON_OPTIONS, **schema}  # inside Lark, %json takes options from the schema
+        body, rules = f"%json {json.dumps(schema)}", ""
+    else:
+        body, rules = xml_call_lark(chosen)
+    call = f"{_lark_text(open, vocab)} {body} {_lark_text(close, vocab)}"
     start = 'call ("\\n" call)*' if parallel else "call"
-    grammar = llguidance.LLMatcher.grammar_from_lark(f"start: {start}\ncall: {call}\n")
+    grammar = llguidance.LLMatcher.grammar_from_lark(f"start: {start}\ncall: {call}\n{rules}")
     return _compile(grammar, lm, "tool_call", "tool schema")
+
+
+def xml_call_lark(chosen: Sequence[tuple]) -> tuple:
+    """(Lark body, its rules) of one call in the XML form, as Qwen3.5's template writes it:
+    `<function=NAME>\\n`, then `<parameter=KEY>\\nVALUE\\n</parameter>\\n` per argument, then `</function>`.
+
+    Arguments come in the schema's property order, required ones always, the others optionally.
+    A string-typed value is raw text (mlx-lm's qwen3_coder parser reads it as is): its enum or const,
+    else any text within its min/maxLength (string patterns and formats are not enforced in this form);
+    every other value is JSON valid against its schema (the parser json-decodes it), booleans also
+    in Python's spelling, which the template's `| string` writes.
+    """
+    alternatives, rules = [], []
+    for i, (name, parameters) in enumerate(chosen):
+        _schema_grammar(parameters, "tool schema")
+        properties = parameters.get("properties") or {}
+        required = parameters.get("required")
+        required = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+        params = []
+        for j, (key, prop) in enumerate(properties.items() if isinstance(properties, Mapping) else ()):
+            rule = f"p{i}_{j}"
+            opening = json.dumps(f"<parameter={key}>\n")
+            prop = dict(prop) if isinstance(prop, Mapping) else {}
+            prop.update({k: parameters[k] for k in ("$defs", "definitions") if k in parameters})  # for $refs
+            value = _xml_value(prop, f"v{i}_{j}", rules)
+            rules.append(f"{rule}: {opening} {value}")
+            params.append(rule if key in required else f"{rule}?")
+        rules.append(f"f{i}: {json.dumps(f'<function={name}>' + chr(10))} {' '.join(params)} \"</function>\"")
+        alternatives.append(f"f{i}")
+    return f"({' | '.join(alternatives)})", "\n".join(rules) + "\n"
+
+
+def _xml_value(prop: Mapping, rule: str, rules: List[str]) -> str:
+    """A parameter's value and the line after it, as Lark (extra rules appended to `rules`)."""
+    end = '"\\n</parameter>\\n"'
+    if prop.get("type") == "string":
+        choices = [prop["const"]] if "const" in prop else prop.get("enum")
+        if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
+            return f"({' | '.join(json.dumps(c) for c in choices)}) {end}"
+        low, high = prop.get("minLength", 0), prop.get("maxLength")
+        low = low if isinstance(low, int) and low >= 0 else 0
+        high = f"{high}" if isinstance(high, int) and high >= low else ""
+        # Lazy: the text ends at the first closing tag, which it therefore cannot contain.
+        rules.append(f'{rule}[lazy]: /(?s:.{{{low},{high}}})/ "\\n</parameter>"')
+        return f'{rule} "\\n"'
+    value = f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **prop})}"
+    if prop.get("type") == "boolean":
+        value = f'({value} | "True" | "False")'
+    return f"{value} {end}"
+
+
+def combine(constraints: Sequence[Constraint], lm, reasoning_end: Optional[str] = None,
+            optional: bool = False) -> Constraint:
+    """Output that one of `constraints` accepts (a tool call or the response format, say), after
+    the model's reasoning when `reasoning_end` is given. `optional`: free text (no special tokens)
+    first, and the constrained part only if the model starts it (tool_choice auto with strict tools:
+    the model may answer in text, and a call it makes follows its schema).
+
+    For a prompt that opened a reasoning block (a <think> the template wrote): free text without
+    special tokens, `reasoning_end`, at most two newlines, then the constrained answer. The text is
+    not constrained, as the model's answer is not (vLLM's structured output also starts after the
+    reasoning), and it stays a function of the prefix, so drafting stays exact.
+    """
+    constraints = list(constraints)
+    if not constraints:
+        raise DynoError("nothing to combine")
+    if len(constraints) == 1 and reasoning_end is None and not optional:
+        return constraints[0]
+    vocab = vocabulary(lm)
+    entries = []
+    for i, c in enumerate(constraints):
+        entry = _grammar_entry(c.grammar)
+        entry["name"] = f"answer{i}"
+        entries.append(entry)
+    answer = "(" + " | ".join(f"@answer{i}" for i in range(len(entries))) + ")"
+    answer = f"/(?s:.*)/ {answer}?" if optional else answer
+    thinking = f'/(?s:.*)/ {_lark_text(reasoning_end, vocab)} /\\n{{0,2}}/ ' if reasoning_end else ""
+    top = {"grammars": [{"lark_grammar": f"start: {thinking}{answer}\n"}, *entries]}
+    kind = ("text+" if optional else "") + "+".join(c.kind for c in constraints)
+    return _compile(json.dumps(top), lm, f"reasoning+{kind}" if reasoning_end else kind, "grammar")
+
+
+def _grammar_entry(grammar: str) -> dict:
+    """One llguidance grammar (JSON or Lark text) as an entry of a top-level grammar list."""
+    if grammar.lstrip().startswith("{"):
+        grammars = json.loads(grammar).get("grammars") or []
+        if len(grammars) != 1:
+            raise DynoError("a combined grammar cannot be combined again")
+        return dict(grammars[0])
+    return {"lark_grammar": grammar}
 
 
 def _lark_text(text: str, vocab: Vocabulary) -> str:

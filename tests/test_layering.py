@@ -52,7 +52,8 @@ def under(name: str, *prefixes: str) -> bool:
 
 def test_the_modules_are_where_the_layout_says():
     assert len(modules("speculative")) >= 8
-    for package in ("dyno_ui.cli", "dyno_ui.runtime", "dyno_ui.server", "dyno_ui.server.openai", "dyno_ui.playground"):
+    for package in ("dyno_ui.cli", "dyno_ui.runtime", "dyno_ui.server", "dyno_ui.server.openai",
+                    "dyno_ui.server.anthropic", "dyno_ui.playground"):
         assert (ROOT / package.replace(".", "/") / "__init__.py").exists(), package
 
 
@@ -65,7 +66,7 @@ def test_runtime_imports_no_web_framework_and_nothing_above_it():
         n, "dyno_ui.cli", "dyno_ui.server", "dyno_ui.playground", "dyno_ui.options")) == []
 
 
-@pytest.mark.parametrize("api", ["dyno_ui.server.openai"])
+@pytest.mark.parametrize("api", ["dyno_ui.server.openai", "dyno_ui.server.anthropic"])
 def test_an_api_imports_only_the_runtime_and_the_servers_shared_helpers(api):
     allowed = ("dyno_ui.runtime", "dyno_ui.server.errors", "dyno_ui.server.streaming", api)
     assert violations(api, lambda n: under(n, "dyno_ui") and not under(n, *allowed)) == []
@@ -77,7 +78,8 @@ def test_the_server_never_imports_the_cli():
 
 def test_the_servers_shared_helpers_import_no_api():
     shared = [ROOT / "dyno_ui/server/errors.py", ROOT / "dyno_ui/server/streaming.py"]
-    bad = [(f.name, n) for f in shared for n in imports(f) if under(n, "dyno_ui.server.openai", "dyno_ui.server.app")]
+    bad = [(f.name, n) for f in shared for n in imports(f)
+           if under(n, "dyno_ui.server.openai", "dyno_ui.server.anthropic", "dyno_ui.server.app")]
     assert bad == []
 
 

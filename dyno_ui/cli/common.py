@@ -1,6 +1,7 @@
 """Flags several commands share, and how they become options."""
 
 import argparse
+import os
 import sys
 
 from speculative.config import MAX_DRAFT_DEPTH, MODES
@@ -43,13 +44,35 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp-head-bits", metavar="{16,8,4}", help=HEAD_BITS_HELP)
     p.add_argument("--mtp-base", metavar="REPO",
                    help="the original repository to take the head from (default: from the model card)")
+    p.add_argument("--distributed", choices=("pipeline", "tensor"),
+                   help="split the model across the ranks `mlx.launch` started, by layers (pipeline) or "
+                        "within layers (tensor); drafting stays on (README, Across several Macs)")
 
 
 def model_options(args: argparse.Namespace) -> ModelOptions:
     """The model flags as options, checked."""
     return ModelOptions(model=args.model, speculative=args.speculative, draft_depth=args.draft_depth,
                         draft_vocab=args.draft_vocab, mtp_head=args.mtp_head, mtp_head_bits=args.mtp_head_bits,
-                        mtp_base=args.mtp_base)
+                        mtp_base=args.mtp_base, distributed=args.distributed)
+
+
+def add_access_args(p: argparse.ArgumentParser) -> None:
+    """Who may call the API: a key, browser origins, and the model names requests may use."""
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("DYNO_API_KEY"),
+                   help="require this key on /v1/* (Authorization: Bearer KEY or x-api-key: KEY) and for "
+                        "loading models in the playground (default: $DYNO_API_KEY; none: open)")
+    p.add_argument("--allowed-origins", metavar="ORIGIN[,ORIGIN]", action="append", default=[],
+                   help="browser origins allowed to call the API (CORS), e.g. https://app.example.com, or *; "
+                        "repeatable or comma-separated (default: none)")
+    p.add_argument("--served-model-name", metavar="NAME", action="append", default=[],
+                   help="a model id requests may use besides the folder name; repeatable")
+
+
+def access_options(args: argparse.Namespace) -> dict:
+    """The access flags as ServeOptions fields."""
+    origins = [o.strip() for value in args.allowed_origins for o in value.split(",") if o.strip()]
+    return dict(api_key=args.api_key or None, allowed_origins=tuple(origins),
+                served_model_names=tuple(args.served_model_name))
 
 
 def notify(message: str) -> None:

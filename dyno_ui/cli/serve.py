@@ -1,13 +1,14 @@
 """`dyno serve`: the flags, as ServeOptions for the server."""
 
 from ..options import DEFAULT_MAX_TOKENS, DEFAULT_PORT, ServeOptions
-from .common import add_model_args, model_options
+from .common import access_options, add_access_args, add_model_args, model_options
 
 
 def add_command(sub) -> None:
     """Register `dyno serve` on the CLI's subparsers."""
-    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                       description="An OpenAI-compatible server; MTP drafting on when it is safe and exact.")
+    p = sub.add_parser("serve", help="serve the model over OpenAI- and Anthropic-compatible HTTP APIs",
+                       description="An OpenAI-compatible server with the Anthropic Messages API beside it; MTP "
+                                   "drafting on when it is safe and exact.")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0 picks a free one)")
@@ -16,13 +17,14 @@ def add_command(sub) -> None:
     p.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help="max_tokens for requests that do not set it (default: %(default)s)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the Gradio playground at /ui")
+    add_access_args(p)
     p.set_defaults(func=cmd_serve)
 
 
 def options_from(args) -> ServeOptions:
     return ServeOptions(model=model_options(args), host=args.host, port=args.port,
                         decode_concurrency=args.decode_concurrency, max_tokens_default=args.max_tokens_default,
-                        ui=not args.no_ui)
+                        ui=not args.no_ui, **access_options(args))
 
 
 def cmd_serve(args) -> int:

@@ -4,6 +4,7 @@ Callbacks run on Gradio's pooled threads; everything that touches MLX goes to th
 as a traced Job or through `worker.call`. One job per browser session can be stopped.
 """
 
+import hmac
 import queue
 import resource
 import sys
@@ -26,8 +27,9 @@ CHART_S = 0.5
 class Sessions:
     """The playground's access to the served model: chat and compare jobs, stopping, model management."""
 
-    def __init__(self, served: ServedModel):
+    def __init__(self, served: ServedModel, api_key: Optional[str] = None):
         self.served = served
+        self.api_key = api_key  # --api-key: also needed to load models and fetch heads from the page
         self.running: Dict[str, Job] = {}
 
     @property
@@ -125,13 +127,20 @@ class Sessions:
         extra = [Path(f).expanduser() for f in folders if f]
         return local_models(local_folders(extra), notify=lambda m: None)
 
-    def load(self, path: str, notify: Callable[[str], None], head_bits=None):
+    def authorize(self, key: Optional[str]) -> None:
+        """Model management (a swap stops the API for every client) needs the server's key, when it has one."""
+        if self.api_key and not hmac.compare_digest(self.api_key.encode(), (key or "").encode()):
+            raise DynoError("this server requires its API key (--api-key) to load models or fetch heads: "
+                            "type it in the API key box")
+
+    def load(self, path: str, notify: Callable[[str], None], head_bits=None, key: Optional[str] = None):
         """A Future of the model at `path` replacing the served one (loaded on the engine thread), its
-        head kept at `head_bits` (16, 8, 4; None or "auto": follow the trunk)."""
+        head kept at `head_bits` (16, 8, 4; None or "auto": follow the trunk); `key`: the server's API key."""
         from speculative.loader import load_model
         from speculative.precision import parse_head_bits
         from speculative.tuning import resolve_depth
 
+        self.authorize(key)
         parse_head_bits(head_bits)  # a bad value fails here, not on the engine thread
         folder = Path(path).expanduser()
 
@@ -156,11 +165,12 @@ class Sessions:
         future.add_done_callback(swapped)
         return future
 
-    def fetch_head(self, path: str, notify: Callable[[str], None], head_bits=None):
+    def fetch_head(self, path: str, notify: Callable[[str], None], head_bits=None, key: Optional[str] = None):
         """A Future of (head folder, base repo, memory it takes at `head_bits`) for the model at `path`
-        (fetched on the engine thread)."""
+        (fetched on the engine thread); `key`: the server's API key."""
         from speculative.head_store import planned_memory, pull_head
 
+        self.authorize(key)
         def fetch():
             target, base = pull_head(path, None, notify)
             return target, base, planned_memory(path, target, base, head_bits)

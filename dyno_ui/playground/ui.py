@@ -68,9 +68,9 @@ def _template(history: List[dict], system: str) -> List[dict]:
     return msgs + [{"role": m["role"], "content": m["content"]} for m in history]
 
 
-def build(served: ServedModel) -> gr.Blocks:
-    """The playground's Blocks for `served` (whose worker is started)."""
-    s = Sessions(served)
+def build(served: ServedModel, api_key: Optional[str] = None) -> gr.Blocks:
+    """The playground's Blocks for `served` (whose worker is started); `api_key` guards model loading."""
+    s = Sessions(served, api_key)
     d = s.defaults()
     with gr.Blocks(title="Dyno playground", analytics_enabled=False) as ui:
         gr.HTML('<div class="dyno-header"><h1>Dyno</h1><span>exact MTP speculative decoding on MLX</span></div>')
@@ -272,6 +272,9 @@ def _models_tab(s: Sessions, chat: dict) -> dict:
                         elem_id="head-bits", scale=2)
         load = gr.Button("Load model", variant="primary", elem_id="load-model", scale=1)
         fetch = gr.Button("Fetch head", elem_id="fetch-head", scale=1)
+    # With --api-key, loading a model or fetching a head (it stops or slows every client) needs the key.
+    key = gr.Textbox(label="API key (this server requires it to load models and fetch heads)", type="password",
+                     visible=bool(s.api_key), elem_id="api-key")
     status = gr.Markdown(elem_id="models-status")
 
     # The last listing, shown to every page that opens; Scan and Fetch read the disk (and maybe the
@@ -296,25 +299,25 @@ def _models_tab(s: Sessions, chat: dict) -> dict:
             time.sleep(0.2)
         return future.result()
 
-    def do_load(path, bits, progress=gr.Progress()):
+    def do_load(path, bits, key_value, progress=gr.Progress()):
         if not path:
             raise gr.Error("Type or pick a model folder")
         notes: List[str] = []
         progress(0, desc="queued behind running generations")
         try:
-            lm = wait(s.load(path, notes.append, bits), progress, f"loading {path}", notes)
+            lm = wait(s.load(path, notes.append, bits, key=key_value), progress, f"loading {path}", notes)
         except DynoError as e:
             _fail(e)
         d = s.defaults()
         return (f"Loaded {lm.path.name}.", s.describe(), d.temperature, d.top_p, d.top_k, d.min_p,
                 s.served.worker.spec.draft_depth)
 
-    def do_fetch(path, bits, progress=gr.Progress()):
+    def do_fetch(path, bits, key_value, progress=gr.Progress()):
         if not path:
             raise gr.Error("Type or pick a model folder")
         try:
             notes: List[str] = []
-            target, base, memory = wait(s.fetch_head(path, notes.append, bits), progress,
+            target, base, memory = wait(s.fetch_head(path, notes.append, bits, key=key_value), progress,
                                         f"fetching the head for {path}", notes)
         except DynoError as e:
             _fail(e)
@@ -326,13 +329,13 @@ def _models_tab(s: Sessions, chat: dict) -> dict:
         return evt.row_value[0] if evt.row_value else gr.skip()
 
     table.select(pick, None, folder)
-    load.click(do_load, [folder, bits], [status, current, chat["temperature"], chat["top_p"], chat["top_k"],
+    load.click(do_load, [folder, bits, key], [status, current, chat["temperature"], chat["top_p"], chat["top_k"],
                                   chat["min_p"], chat["depth"]])
-    fetch.click(do_fetch, [folder, bits], [status, table])
+    fetch.click(do_fetch, [folder, bits, key], [status, table])
     return {"current": current, "table": table, "list": first_rows}
 
 
-def mount(app: FastAPI, served: ServedModel, path: str = UI_PATH) -> FastAPI:
+def mount(app: FastAPI, served: ServedModel, path: str = UI_PATH, api_key: Optional[str] = None) -> FastAPI:
     """Mount the playground on `app` at `path` (the server's routes stay as they are)."""
-    return gr.mount_gradio_app(app, build(served), path=path, theme=theme(), css_paths=[CSS],
+    return gr.mount_gradio_app(app, build(served, api_key), path=path, theme=theme(), css_paths=[CSS],
                                footer_links=["api"], ssr_mode=False)

@@ -1,10 +1,11 @@
-"""What a job sends to its handler: text, then Finished or Failed (and, when traced, engine events).
+"""What a job sends to its handler: text and tool calls, then Finished or Failed (and, when traced,
+engine events).
 
 Plain data with no MLX: the playground's rendering and the APIs' folding import these alone.
 """
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 
 @dataclass(frozen=True)
@@ -13,6 +14,18 @@ class TextDelta:
 
     channel: str
     text: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of the `index`-th tool call of the answer (runtime/parsers): its first piece carries
+    the call's `id` and function `name`, every piece some of its JSON `arguments` text, which the
+    pieces of one call concatenate to."""
+
+    index: int
+    arguments: str
+    id: Optional[str] = None
+    name: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -41,4 +54,4 @@ class Traced:
     at: float  # time.perf_counter()
 
 
-Output = Union[TextDelta, Finished, Failed]
+Output = Union[TextDelta, ToolCallDelta, Finished, Failed]

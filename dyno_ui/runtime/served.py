@@ -10,6 +10,7 @@ from speculative.errors import DynoError, one_line
 from speculative.loader import LoadedModel
 
 from .errors import ApiError
+from .parsers import ToolCallStream
 from .textstream import TextAssembler, initial_channel
 from .worker import EngineWorker, Job
 
@@ -17,7 +18,7 @@ from .worker import EngineWorker, Job
 # `chat_template` too: a client's own Jinja template could run unbounded on the server.
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "chat_template", "tokenize", "add_generation_prompt", "return_dict", "return_tensors", "padding",
-    "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs", "tools",
 })
 
 
@@ -31,12 +32,18 @@ class ServedModel:
     default_max_tokens: int
     created: int
     loading: Optional[str] = None  # the model being loaded in its place (the Models tab), if any
+    names: Tuple[str, ...] = ()  # --served-model-name: more ids requests may use for whichever model is served
     _swap: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def replace(self, lm: LoadedModel) -> None:
         """Serve `lm` (named by its folder) from now on; the worker already runs it."""
         with self._swap:
             self.lm, self.id = lm, lm.path.name
+
+    @property
+    def ids(self) -> List[str]:
+        """Every id a request may name: the served model's folder name, then the --served-model-name ones."""
+        return [self.id] + [n for n in self.names if n != self.id]
 
     def current(self, requested: Optional[str]) -> Tuple[str, LoadedModel]:
         """The model a request goes to: none loading, and it names this one (or none); id and model
@@ -46,9 +53,10 @@ class ServedModel:
                                 f"loaded", code="model_loading", kind="server_error")
         with self._swap:
             served_id, lm = self.id, self.lm
-        if requested is not None and requested != served_id:
+        if requested is not None and requested != served_id and requested not in self.names:
+            served = "', '".join([served_id, *self.names])
             raise ApiError(404, f"The model '{requested}' does not exist; this server serves "
-                                f"'{served_id}'", param="model", code="model_not_found")
+                                f"'{served}'", param="model", code="model_not_found")
         return served_id, lm
 
     def defaults(self, lm: Optional[LoadedModel] = None) -> SamplingParams:
@@ -57,12 +65,15 @@ class ServedModel:
                                                      max_tokens=self.default_max_tokens)
 
 
-def chat_prompt(lm: LoadedModel, messages: List[dict], template_kwargs: Optional[dict]) -> List[int]:
-    """Token ids of `messages` through the tokenizer's chat template, ready for the answer."""
+def chat_prompt(lm: LoadedModel, messages: List[dict], template_kwargs: Optional[dict],
+                tools: Optional[List[dict]] = None) -> List[int]:
+    """Token ids of `messages` (and the `tools` offered) through the tokenizer's chat template, ready for the answer."""
     kwargs = template_kwargs or {}
     if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs)):
         raise ApiError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the server",
                        param="chat_template_kwargs")
+    if tools:
+        kwargs = {**kwargs, "tools": tools}
     try:
         return list(lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs))
     except Exception as e:  # jinja errors, bad kwargs: the request's fault
@@ -84,10 +95,12 @@ def checked_sampling(lm: LoadedModel, prompt: Sequence[int], field: str,
         raise ApiError(400, e.message) from None
 
 
-def chat_job(lm: LoadedModel, prompt: List[int], params: SamplingParams, stops: List[str], sink, **job) -> Job:
-    """A job for a templated chat prompt: reasoning split on, starting in the channel the template opened;
-    `job` sets other Job fields (spec, trace)."""
-    text = TextAssembler(lm.tokenizer, stops, split_reasoning=True, initial=initial_channel(lm.tokenizer, prompt))
+def chat_job(lm: LoadedModel, prompt: List[int], params: SamplingParams, stops: List[str], sink,
+             tool_calls: Optional[ToolCallStream] = None, **job) -> Job:
+    """A job for a templated chat prompt: reasoning split on, starting in the channel the template opened,
+    tool calls parsed by `tool_calls` (runtime/tools.py makes it); `job` sets other Job fields (spec, trace)."""
+    text = TextAssembler(lm.tokenizer, stops, split_reasoning=True, initial=initial_channel(lm.tokenizer, prompt),
+                         tool_calls=tool_calls)
     return Job(list(prompt), params, text, sink, lm=lm, **job)
 
 

@@ -1,14 +1,20 @@
-"""Token ids in, text out: mlx-lm's streaming detokenizer, the <think> split and stop strings.
+"""Token ids in, outputs out: mlx-lm's streaming detokenizer, the <think> split, tool-call blocks and
+stop strings.
 
-Matching is on decoded text (mlx-lm's TextStateMachine), so a stop string or a think tag is found
-however it was tokenized, and text that may be the start of one is held back until it is not.
+Matching is on decoded text (mlx-lm's TextStateMachine, with the states mlx-lm's own server uses:
+normal, reasoning, tool), so a stop string, a think tag or a tool-call marker is found however it
+was tokenized, and text that may be the start of one is held back until it is not. The text of a
+tool-call block goes to the request's ToolCallStream (parsers/), which turns it into calls.
 """
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Union
 
 from mlx_lm.generate import TextStateMachine
 
-Piece = Tuple[str, str]  # (channel, text); channel is "content" or "reasoning"
+from .outputs import TextDelta, ToolCallDelta
+from .parsers import ToolCallStream
+
+Piece = Union[TextDelta, ToolCallDelta]
 
 
 def initial_channel(tokenizer, prompt: Sequence[int]) -> str:
@@ -20,33 +26,45 @@ def initial_channel(tokenizer, prompt: Sequence[int]) -> str:
 
 
 class TextAssembler:
-    """Turns one request's token ids into content and reasoning text, and says when a stop string hit."""
+    """Turns one request's token ids into content, reasoning and tool calls, and says when a stop
+    string hit (or, for a request that allows one tool call, when that call is complete)."""
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), split_reasoning: bool = False,
-                 initial: str = "normal"):
+                 initial: str = "normal", tool_calls: Optional[ToolCallStream] = None):
         self.detokenizer = tokenizer.detokenizer  # a fresh copy per call
+        self.calls = tool_calls
         transitions = {"normal": []}
         if split_reasoning and getattr(tokenizer, "has_thinking", False):
             transitions = {"normal": [(tokenizer.think_start, "reasoning")],
                            "reasoning": [(tokenizer.think_end, "normal")]}
+        if tool_calls is not None:  # as mlx-lm's make_text_state_machine: a call may start in reasoning too
+            for edges in transitions.values():
+                edges.append((tool_calls.start, "tool"))
+            transitions["tool"] = [(tool_calls.end, "normal")] if tool_calls.end else []
         for edges in transitions.values():
             edges.extend((s, None) for s in stop)  # None: the machine's terminal state
         self.machine = TextStateMachine(transitions)
-        self.state = self.machine.make_state(initial if initial in transitions else "normal")
+        self.where = initial if initial in transitions else "normal"
+        self.state = self.machine.make_state(self.where)
         self.stopped = False
 
     def add(self, token: int) -> List[Piece]:
-        """Text made printable by `token` (possibly none); sets `stopped` when a stop string completes."""
+        """Outputs made printable by `token` (possibly none); sets `stopped` when a stop string completes."""
         self.detokenizer.add_token(token)
         return self._split(self.detokenizer.last_segment)
 
     def finish(self) -> List[Piece]:
-        """Whatever was held back (partial UTF-8, a partial tag that never completed)."""
+        """Whatever was held back (partial UTF-8, a partial tag that never completed), and the end
+        of a tool-call block the answer stopped inside."""
         self.detokenizer.finalize()
         pieces = self._split(self.detokenizer.last_segment)
         if not self.stopped:
             self.state, rest, name = TextStateMachine.flush(self.state)
             pieces += self._pieces([(name, rest)])
+        if self.calls is not None:
+            if self.where == "tool":
+                pieces += self.calls.close_block(complete=False)
+            pieces += self.calls.finish()
         return pieces
 
     def _split(self, text: str) -> List[Piece]:
@@ -60,6 +78,24 @@ class TextAssembler:
         for name, text in segments:
             if name is None:
                 self.stopped = True
+                break
+            if name == "tool":
+                if self.where != "tool":
+                    self.calls.open_block()
+                self.where = name
+                out += self.calls.feed(text) if text else []
+                continue
+            if self.where == "tool":  # the block's end marker
+                self.where = name
+                out += self.calls.close_block()
+                if self.calls.done:  # its one call is complete: nothing after it is part of the answer
+                    self.stopped = True
+                    break
+            self.where = name
+            if name == "reasoning":
+                out += [TextDelta("reasoning", text)] if text else []
+            elif self.calls is not None:
+                out += self.calls.content(text)
             elif text:
-                out.append(("reasoning" if name == "reasoning" else "content", text))
+                out.append(TextDelta("content", text))
         return out

@@ -34,7 +34,7 @@ from speculative.sampling import plain_sampler
 from speculative.stats import GenerationStats
 
 from .metrics import Outcome, ServerMetrics
-from .outputs import Failed, Finished, TextDelta, Traced
+from .outputs import Failed, Finished, Traced
 from .textstream import TextAssembler
 
 log = logging.getLogger("dyno.serve")
@@ -218,13 +218,19 @@ class EngineWorker:
             elif job is not None:
                 self._fail(job, STOPPED, 503)
 
+    def _settled_in_queue(self, item) -> bool:
+        """A Call runs here; a job cancelled while queued finishes without running. True for both."""
+        if isinstance(item, Call):
+            item.run()
+            return True
+        if item.cancelled.is_set():
+            self._finish(item, "cancelled")
+            return True
+        return False
+
     def _serve_serial(self) -> None:
         while (job := self.jobs.get()) is not None:
-            if isinstance(job, Call):
-                job.run()
-                continue
-            if job.cancelled.is_set():
-                self._finish(job, "cancelled")
+            if self._settled_in_queue(job):
                 continue
             self.running[id(job)] = job
             try:
@@ -280,8 +286,8 @@ class EngineWorker:
             self._emit(job, job.text.add(token))
 
     def _emit(self, job: Job, pieces) -> None:
-        for channel, text in pieces:
-            job.send(TextDelta(channel, text))
+        for piece in pieces:  # TextDelta and ToolCallDelta, from the job's TextAssembler
+            job.send(piece)
 
     def _finish(self, job: Job, reason: str) -> None:
         """Flush held-back text, log the request's line, count it, and tell the handler.
@@ -376,11 +382,7 @@ class EngineWorker:
             if job is None:
                 return False
             wait = False
-            if isinstance(job, Call):
-                job.run()
-                continue
-            if job.cancelled.is_set():
-                self._finish(job, "cancelled")
+            if self._settled_in_queue(job):
                 continue
             if self._stale(job):
                 continue

@@ -7,17 +7,24 @@ translate; requests become engine jobs in each API's convert module, and the eng
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from ..options import ServeOptions
 from ..runtime.served import ServedModel
+from .access import add_access
+from .anthropic import routes as anthropic_routes
+from .anthropic.schema import error_response as anthropic_error
 from .errors import MAX_BODY_BYTES, add_error_handlers
 from .openai import routes as openai_routes
 from .openai.schema import error_response
 
 
-def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The server's app for `served`, whose worker is already started."""
+def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES,
+               options: ServeOptions = ServeOptions()) -> FastAPI:
+    """The server's app for `served`, whose worker is already started; `options` says who may call it
+    (the key, browser origins); the names requests may use are `served.names`."""
     app = FastAPI(title="Dyno", version="0.1.0")
     app.state.served = served
-    add_error_handlers(app, lambda err: error_response(err).model_dump())
+    envelope_for = add_error_handlers(app, lambda err: error_response(err).model_dump(),
+                                      {anthropic_routes.PREFIX: lambda err: anthropic_error(err).model_dump()})
     metrics = served.worker.metrics
 
     @app.get("/health")
@@ -36,4 +43,6 @@ def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     openai_routes.add_routes(app, served, max_body_bytes)
+    anthropic_routes.add_routes(app, served, max_body_bytes)
+    add_access(app, options.api_key, options.allowed_origins, envelope_for)
     return app

@@ -2,7 +2,7 @@
 
 import json
 import logging
-from typing import Callable, Type, TypeVar
+from typing import Callable, Mapping, Optional, Type, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,30 +51,48 @@ def validation_error(errors) -> ApiError:
     return ApiError(400, f"{param}: {first['msg']}" if param else str(first["msg"]), param=param)
 
 
-def add_error_handlers(app: FastAPI, envelope: Envelope) -> None:
-    """Every error leaves as `envelope(error)` with its status."""
+def envelope_chooser(default: Envelope, by_path: Optional[Mapping[str, Envelope]] = None) -> Callable[[str], Envelope]:
+    """The envelope for a request path: the one registered for the path (or a path under it), else `default`."""
+    prefixes = sorted((by_path or {}).items(), key=lambda kv: -len(kv[0]))  # the most specific first
 
-    def respond(err: ApiError) -> JSONResponse:
-        return JSONResponse(envelope(err), status_code=err.status)
+    def choose(path: str) -> Envelope:
+        for prefix, envelope in prefixes:
+            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+                return envelope
+        return default
+
+    return choose
+
+
+def add_error_handlers(app: FastAPI, envelope: Envelope,
+                       by_path: Optional[Mapping[str, Envelope]] = None) -> Callable[[str], Envelope]:
+    """Every error leaves as its API's envelope with its status: `by_path`'s for paths under one of its
+    prefixes (the Anthropic routes), `envelope` for the rest. Returns the chooser (the key check uses it)."""
+    choose = envelope_chooser(envelope, by_path)
+
+    def respond(request: Request, err: ApiError) -> JSONResponse:
+        return JSONResponse(choose(request.url.path)(err), status_code=err.status)
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError):
-        return respond(exc)
+    async def api_error(request: Request, exc: ApiError):
+        return respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError):
-        return respond(validation_error(exc.errors()))
+    async def invalid(request: Request, exc: RequestValidationError):
+        return respond(request, validation_error(exc.errors()))
 
     @app.exception_handler(DynoError)
-    async def dyno_error(_: Request, exc: DynoError):
-        return respond(ApiError(400, exc.message))
+    async def dyno_error(request: Request, exc: DynoError):
+        return respond(request, ApiError(400, exc.message))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException):
+    async def http_error(request: Request, exc: HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return respond(ApiError(exc.status_code, str(exc.detail), kind=kind))
+        return respond(request, ApiError(exc.status_code, str(exc.detail), kind=kind))
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception):
+    async def unexpected(request: Request, exc: Exception):
         log.exception("unhandled error")
-        return respond(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
+        return respond(request, ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
+
+    return choose

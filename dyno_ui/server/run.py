@@ -40,11 +40,11 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_app(served, ui: bool = True, ui_front: bool = False):
+def make_app(served, ui: bool = True, ui_front: bool = False, options: ServeOptions = ServeOptions()):
     """The server's app, with the playground at /ui (and / redirecting to it when `ui_front`)."""
     from .app import create_app
 
-    app = create_app(served)
+    app = create_app(served, options=options)
     if ui and served.worker.concurrency == 1:  # the playground drafts and swaps models: serial mode
         from fastapi.responses import RedirectResponse
 
@@ -52,7 +52,7 @@ def make_app(served, ui: bool = True, ui_front: bool = False):
 
         if ui_front:
             app.add_api_route("/", lambda: RedirectResponse(UI_PATH + "/"), include_in_schema=False)
-        mount(app, served)
+        mount(app, served, api_key=options.api_key)
     return app
 
 
@@ -70,6 +70,16 @@ def startup_lines(model_id: str, how: str, base: str, ui: bool, ui_front: bool) 
 
         lines.append(f"dyno: playground at {base}{UI_PATH}/")
     return lines
+
+
+def open_warning(host: str, api_key) -> List[str]:
+    """One line when the server can be reached from other machines and asks for no key."""
+    from .access import is_loopback
+
+    if api_key or is_loopback(host):
+        return []
+    return [f"dyno: warning: listening on {host} without --api-key: anyone who can reach this port can use "
+            f"the model (set --api-key or DYNO_API_KEY)"]
 
 
 def server_for(config, worker):
@@ -113,14 +123,16 @@ def run(options: ServeOptions) -> int:
 
     worker = EngineWorker(load, decode_concurrency=options.decode_concurrency)
     lm = worker.start()  # notices were printed while loading
-    served = ServedModel(id=lm.path.name, lm=lm, worker=worker,
-                         default_max_tokens=options.max_tokens_default, created=int(time.time()))
+    served = ServedModel(id=lm.path.name, lm=lm, worker=worker, default_max_tokens=options.max_tokens_default,
+                         created=int(time.time()), names=options.served_model_names)
     sock = listen(options.host, options.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     ui = options.ui and worker.concurrency == 1
     ui_front = ui and options.ui_front
-    app = make_app(served, ui=ui, ui_front=ui_front)
+    app = make_app(served, ui=ui, ui_front=ui_front, options=options)
+    for line in open_warning(options.host, options.api_key):
+        print(line, file=sys.stderr, flush=True)
     for line in startup_lines(served.id, describe(worker), f"http://{shown}:{port}", ui, ui_front):
         print(line, flush=True)
     handler = logging.StreamHandler(sys.stderr)

@@ -1,7 +1,7 @@
 """A job's outputs as an async stream for a route, and server-sent events."""
 
 import asyncio
-from typing import AsyncIterator, Union
+from typing import AsyncIterator, Optional, Union
 
 from pydantic import BaseModel
 
@@ -42,7 +42,8 @@ class JobStream:
                 self.job.cancel()
 
 
-def sse(payload: Union[BaseModel, str]) -> str:
-    """One server-sent event."""
+def sse(payload: Union[BaseModel, str], event: Optional[str] = None) -> str:
+    """One server-sent event, named `event` when given (Anthropic's clients dispatch on the name)."""
     data = payload if isinstance(payload, str) else payload.model_dump_json()
-    return f"data: {data}\n\n"
+    name = f"event: {event}\n" if event else ""
+    return f"{name}data: {data}\n\n"

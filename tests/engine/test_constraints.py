@@ -19,7 +19,7 @@ from scipy.stats import chi2
 from dyno_ui.paths import BUNDLED_MODEL
 from speculative.config import SamplingParams, SpecConfig
 from speculative.constraints import (
-    GrammarProcessor, _common_prefix, constraint_from_response_format, json_object_constraint,
+    GrammarProcessor, _common_prefix, combine, constraint_from_response_format, json_object_constraint,
     json_schema_constraint, tool_call_constraint, tool_call_schema,
 )
 from speculative.engine import Speculator, generate
@@ -329,3 +329,73 @@ def test_sampling_params_with_a_constraint(bundled):
     assert isinstance(processors_for(a)[-1], GrammarProcessor)
     with pytest.raises(DynoError, match="invalid sampling value: constraint must be a Constraint"):
         SamplingParams(constraint={"type": "json_object"})
+
+
+# ---- Qwen3.5's XML tool-call form, and grammars combined (tool call or format, after reasoning) ----
+
+def accepts(constraint, lm, text):
+    """True when `text`'s tokens are a complete output of the grammar."""
+    matcher = llguidance.LLMatcher(constraint.vocabulary.tokenizer, constraint.grammar, log_level=0)
+    tokens = lm.tokenizer.encode(text, add_special_tokens=False)
+    return matcher.validate_tokens(tokens) == len(tokens) and matcher.consume_tokens(tokens) and matcher.is_accepting()
+
+
+def xml_call(name, **arguments):
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def test_xml_tool_call_form(bundled):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 5}, "unit": {"type": "string", "enum": ["c", "f"]},
+        "n": {"type": "integer", "maximum": 9}, "ok": {"type": "boolean"}}, "required": ["city", "n"]}}}, TOOLS[1]]
+    constraint = tool_call_constraint(tools, "required", bundled, form="xml")
+    assert accepts(constraint, bundled, xml_call("f", city="a <b", unit="f", n=3, ok="True"))
+    assert accepts(constraint, bundled, xml_call("f", city="", n=-2) + "\n" + xml_call("add", a=1, b=2))
+    for bad in (xml_call("f", city="Lisbon", n=3),  # longer than maxLength
+                xml_call("f", city="x", unit="k", n=3),  # not in the enum
+                xml_call("f", city="x", n=12),  # above the maximum
+                xml_call("f", n=3),  # a required parameter missing
+                xml_call("f", n=3, city="x"),  # not in the schema's order
+                xml_call("add", a=1), xml_call("mul", a=1)):
+        assert not accepts(constraint, bundled, bad), bad
+    named = tool_call_constraint(tools, {"type": "function", "function": {"name": "add"}}, bundled, form="xml",
+                                 parallel=False)
+    assert accepts(named, bundled, xml_call("add", a=1, b=2))
+    assert not accepts(named, bundled, xml_call("add", a=1, b=2) + "\n" + xml_call("add", a=1, b=2))
+    with pytest.raises(DynoError, match="invalid tool-call form 'yaml'"):
+        tool_call_constraint(tools, "required", bundled, form="yaml")
+
+
+def test_combined_grammars_after_reasoning(bundled):
+    call = tool_call_constraint(TOOLS, "required", bundled)
+    person = json_schema_constraint(PERSON, bundled)
+    answer = '{"name": "ab", "age": 7, "ok": true, "tags": []}'
+    called = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    either = combine([call, person], bundled)
+    assert accepts(either, bundled, answer) and accepts(either, bundled, called)
+    assert not accepts(either, bundled, "hello")
+    thinking = combine([call, person], bundled, "</think>")
+    assert thinking.kind == "reasoning+tool_call+json_schema"
+    assert accepts(thinking, bundled, f"free text, even {answer}\n</think>\n\n{answer}")
+    # Special tokens are not free text: no call (<tool_call>) or end of turn inside the reasoning.
+    assert not accepts(thinking, bundled, f"{called}\n</think>\n\n{answer}")
+    assert accepts(thinking, bundled, f"</think>{called}")
+    assert not accepts(thinking, bundled, answer)  # still thinking: the answer comes after </think>
+    assert not accepts(thinking, bundled, f"x</think>\n\n\n{answer}")  # at most two newlines between
+    assert combine([person], bundled) is person
+    with pytest.raises(DynoError, match="cannot be combined again"):
+        combine([either], bundled, "</think>")
+
+
+def test_text_then_optional_calls(bundled):
+    """tool_choice auto with strict tools: any text, and a call, if the model makes one, fits its schema."""
+    call = tool_call_constraint(TOOLS, "required", bundled)
+    optional = combine([call], bundled, optional=True)
+    good = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert optional.kind == "text+tool_call"
+    for text in ("", "def f(x): {not json", f"Let me add.\n\n{good}", good):
+        assert accepts(optional, bundled, text), text
+    assert not accepts(optional, bundled, good.replace('"b": 2', '"b": "two"'))
+    assert not accepts(optional, bundled, f"{good} and more")  # nothing after the calls
+    assert accepts(combine([call], bundled, "</think>", optional=True), bundled, f"hmm</think>\n\nok {good}")

@@ -10,6 +10,7 @@ import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from dyno_ui.options import ServeOptions
 from dyno_ui.runtime.served import ServedModel
 from dyno_ui.server.run import listen
 from dyno_ui.server.app import create_app
@@ -28,6 +29,12 @@ class Running:
     @property
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def anthropic(self, api_key: str = "unused"):
+        """The official Anthropic client, pointed at this server (it adds /v1/messages itself)."""
+        import anthropic
+
+        return anthropic.Anthropic(base_url=self.url, api_key=api_key, max_retries=0, timeout=120)
 
     def get(self, path: str):
         return httpx.get(self.url + path, timeout=30)
@@ -50,13 +57,16 @@ class Running:
 
 
 @contextmanager
-def running_server(model_dir, spec: SpecConfig = SpecConfig(), decode_concurrency: int = 1, **app_kw):
-    """A started server for the checkpoint in `model_dir`; stopped (thread joined) on exit."""
+def running_server(model_dir, spec: SpecConfig = SpecConfig(), decode_concurrency: int = 1,
+                   options: ServeOptions = ServeOptions(), **app_kw):
+    """A started server for the checkpoint in `model_dir`, with `options`' key, origins and model names;
+    stopped (thread joined) on exit."""
     mode = "off" if decode_concurrency > 1 else spec.mode
     worker = EngineWorker(lambda: (load_model(model_dir, mode=mode), spec), decode_concurrency=decode_concurrency)
     lm = worker.start()
-    served = ServedModel(id=MODEL_ID, lm=lm, worker=worker, default_max_tokens=64, created=0)
-    with serving_in_thread(create_app(served, **app_kw)) as url:
+    served = ServedModel(id=MODEL_ID, lm=lm, worker=worker, default_max_tokens=64, created=0,
+                         names=options.served_model_names)
+    with serving_in_thread(create_app(served, options=options, **app_kw)) as url:
         yield Running(url, served)
 
 

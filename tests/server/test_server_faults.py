@@ -48,7 +48,7 @@ MALFORMED = {
     "negative max_tokens": ("POST", "/v1/chat/completions", chat(max_tokens=-5), 400, "max_tokens", None),
     "temperature out of range": ("POST", "/v1/chat/completions", chat(temperature=2.5), 400, "temperature", None),
     "top_p zero": ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
-    "n above 1": ("POST", "/v1/chat/completions", chat(n=2), 400, "n", None),
+    "n above 1": ("POST", "/v1/chat/completions", chat(n=2), 400, "n", "unsupported_parameter"),
     "logit_bias not a token": ("POST", "/v1/chat/completions", chat(logit_bias={"abc": 1}), 400, "logit_bias", None),
     "logit_bias out of vocab": ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400,
                                 "logit_bias", None),

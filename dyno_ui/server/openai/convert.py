@@ -4,11 +4,15 @@ The non-streaming response is a fold of the same outputs the stream sends, so th
 same text.
 """
 
-from typing import AsyncIterator, List, Tuple
+from typing import AsyncIterator, Dict, List, Tuple
+
+from speculative.constraints import constraint_from_response_format
+from speculative.errors import DynoError
 
 from ...runtime import served as runtime
+from ...runtime import tools as runtime_tools
 from ...runtime.errors import ApiError
-from ...runtime.outputs import Failed, Finished, TextDelta
+from ...runtime.outputs import Failed, Finished, TextDelta, ToolCallDelta
 from ...runtime.served import ServedModel
 from ...runtime.worker import Job
 from ..streaming import JobStream, sse
@@ -16,12 +20,42 @@ from . import schema as api
 
 
 def chat_job(served: ServedModel, req: api.ChatCompletionRequest, sink) -> Tuple[str, Job]:
-    """(model id, job) for a chat request: the tokenizer's chat template, reasoning split on."""
+    """(model id, job) for a chat request: the tokenizer's chat template (with the tools offered),
+    reasoning split on, tool calls parsed, the answer held to a forced call or the response format."""
     model_id, lm = served.current(req.model)  # one model for the whole request, even across a swap
-    prompt = runtime.chat_prompt(lm, [m.for_template() for m in req.messages], req.chat_template_kwargs)
+    tools, choice = req.template_tools(), req.choice()
+    parallel = req.parallel_tool_calls is not False
+    calls = runtime_tools.calls_allowed(tools, choice)
+    with _param("tools"):
+        runtime_tools.check_tools(lm, tools, choice)
+    prompt = runtime.chat_prompt(lm, [m.for_template() for m in req.messages], req.chat_template_kwargs,
+                                 tools if calls else None)
+    with _param("response_format"):
+        response = constraint_from_response_format(req.response_format, lm)
+    with _param("tool_choice"):
+        constraint = runtime_tools.answer_constraint(lm, prompt, tools, choice, parallel, response,
+                                                     strict=req.strict_tools())
     params = runtime.checked_sampling(lm, prompt, "messages", lambda room: req.sampling(
-        lm.generation_config, served.default_max_tokens, room, lm.vocab_size))
-    return model_id, runtime.chat_job(lm, prompt, params, req.stop_strings(), sink)
+        lm.generation_config, served.default_max_tokens, room, lm.vocab_size, constraint))
+    stream = runtime_tools.tool_call_stream(lm, tools, choice, parallel)
+    return model_id, runtime.chat_job(lm, prompt, params, req.stop_strings(), sink, tool_calls=stream)
+
+
+class _param:
+    """Turns a DynoError raised inside into a 400 naming `name` (a schema's own errors name their field too)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if isinstance(error, DynoError):
+            named = {"invalid tools": "tools", "invalid tool_choice": "tool_choice"}
+            param = next((v for k, v in named.items() if error.message.startswith(k + ":")), self.name)
+            raise ApiError(400, error.message, param=param) from None
+        return False
 
 
 def completion_job(served: ServedModel, req: api.CompletionRequest, sink) -> Tuple[str, Job]:
@@ -45,26 +79,46 @@ def _failure(item: Failed) -> ApiError:
     return ApiError(item.status, item.message, kind="server_error")
 
 
+def _finish_reason(done: Finished, called: bool) -> str:
+    """OpenAI's finish reason: an answer that ended after calling tools ends with "tool_calls"."""
+    return "tool_calls" if called and done.finish_reason == "stop" else done.finish_reason
+
+
 async def chat_response(stream: JobStream, model: str) -> api.ChatCompletion:
     """The whole chat completion, folded from the job's outputs."""
     parts = {"content": [], "reasoning": []}
+    calls: Dict[int, Tuple[str, str, List[str]]] = {}  # index -> (id, name, argument pieces)
     async for item in stream:
         if isinstance(item, TextDelta):
             parts[item.channel].append(item.text)
+        elif isinstance(item, ToolCallDelta):
+            calls.setdefault(item.index, (item.id, item.name, []))[2].append(item.arguments)
         elif isinstance(item, Failed):
             raise _failure(item)
         else:
             done = item
-    reasoning = "".join(parts["reasoning"])
-    message = api.ChatMessageOut(content="".join(parts["content"]), reasoning_content=reasoning or None)
-    return api.ChatCompletion(id=api.new_id("chatcmpl"), created=api.now(), model=model,
-                              choices=[api.ChatChoice(message=message, finish_reason=done.finish_reason)],
+    reasoning, content = "".join(parts["reasoning"]), "".join(parts["content"])
+    tool_calls = [api.ToolCallOut(id=i, function=api.FunctionOut(name=name, arguments="".join(pieces)))
+                  for i, name, pieces in (calls[k] for k in sorted(calls))]
+    message = api.ChatMessageOut(content=content if content or not tool_calls else None,
+                                 reasoning_content=reasoning or None, tool_calls=tool_calls or None)
+    choice = api.ChatChoice(message=message, finish_reason=_finish_reason(done, bool(tool_calls)))
+    return api.ChatCompletion(id=api.new_id("chatcmpl"), created=api.now(), model=model, choices=[choice],
                               usage=_usage(done))
 
 
+def _call_chunk(item: ToolCallDelta) -> api.ToolCallChunk:
+    """A call's first chunk carries its id, type and name; the others only arguments."""
+    if item.id is None:
+        return api.ToolCallChunk(index=item.index, function=api.FunctionDelta(arguments=item.arguments))
+    return api.ToolCallChunk(index=item.index, id=item.id, type="function",
+                             function=api.FunctionDelta(name=item.name, arguments=item.arguments))
+
+
 async def chat_events(stream: JobStream, model: str, include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks: the role, content and reasoning deltas, the finish reason, usage, [DONE]."""
+    """SSE chunks: the role, content, reasoning and tool-call deltas, the finish reason, usage, [DONE]."""
     rid, created = api.new_id("chatcmpl"), api.now()
+    called = False
 
     def chunk(delta: api.ChatDelta, finish=None, choices=True, usage=None) -> str:
         choice = [api.ChatChunkChoice(delta=delta, finish_reason=finish)] if choices else []
@@ -75,10 +129,13 @@ async def chat_events(stream: JobStream, model: str, include_usage: bool) -> Asy
         if isinstance(item, TextDelta):
             field = "reasoning_content" if item.channel == "reasoning" else "content"
             yield chunk(api.ChatDelta(**{field: item.text}))
+        elif isinstance(item, ToolCallDelta):
+            called = True
+            yield chunk(api.ChatDelta(tool_calls=[_call_chunk(item)]))
         elif isinstance(item, Failed):
             yield sse(api.error_response(_failure(item)))
         else:
-            yield chunk(api.ChatDelta(), finish=item.finish_reason)
+            yield chunk(api.ChatDelta(), finish=_finish_reason(item, called))
             if include_usage:
                 yield chunk(api.ChatDelta(), choices=False, usage=_usage(item))
     yield sse("[DONE]")

@@ -15,7 +15,7 @@ from . import schema as api
 def add_routes(app: FastAPI, served: ServedModel, max_body_bytes: int) -> None:
     @app.get("/v1/models")
     def models() -> api.ModelList:
-        return api.ModelList(data=[api.ModelCard(id=served.id, created=served.created)])
+        return api.ModelList(data=[api.ModelCard(id=i, created=served.created) for i in served.ids])
 
     async def answer(request: Request, kind, make_job, events, response):
         """Read and check the body, queue its job; stream the outputs as SSE or fold them into one response."""

@@ -1,14 +1,16 @@
 """The OpenAI API as Dyno serves it: request and response types, and the mapping to SamplingParams.
 
 Validation lives in the types (bounds as OpenAI documents them); the server turns a failed
-validation into an OpenAI-shaped 400. Unknown fields are ignored, as OpenAI-compatible servers do.
+validation into an OpenAI-shaped 400. Unknown fields are ignored, as OpenAI-compatible servers do;
+fields OpenAI defines that Dyno does not implement are refused by name (REFUSED_CHAT, REFUSED_COMPLETION).
 """
 
+import json
 import time
 import uuid
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Callable, ClassVar, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from speculative.config import PENALTY_CONTEXT, SamplingParams
 
@@ -34,8 +36,56 @@ def error_response(err: ApiError) -> ErrorResponse:
 # ---- requests ------------------------------------------------------------------------------
 
 
+# OpenAI request fields Dyno does not implement: a request that sets one to anything but its no-op
+# value gets a 400 naming it, instead of an answer that pretends the field was applied. Each entry
+# is (the values that do nothing, why); null is always allowed. Lifting one (logprobs, when it is
+# implemented) is deleting its line and adding the field to the request type.
+Refusals = Dict[str, Tuple[Callable[[Any], bool], str]]
+THINKING_HINT = 'turn thinking off with chat_template_kwargs {"enable_thinking": false}'
+REFUSED_CHAT: Refusals = {
+    "n": (lambda v: v == 1, "only n=1 is supported (one choice per request)"),
+    "logprobs": (lambda v: v == False, "log-probabilities are not supported yet"),  # noqa: E712 (0 too)
+    "top_logprobs": (lambda v: v == 0, "log-probabilities are not supported yet"),
+    "audio": (lambda v: False, "audio output is not supported"),
+    "modalities": (lambda v: v == ["text"], 'only ["text"] is supported'),
+    "prediction": (lambda v: False, "predicted outputs are not supported"),
+    "web_search_options": (lambda v: False, "web search is not supported"),
+    "reasoning_effort": (lambda v: False, f"reasoning effort levels are not supported; {THINKING_HINT}"),
+    "verbosity": (lambda v: False, "verbosity levels are not supported"),
+    "functions": (lambda v: False, "the deprecated functions field is not supported; use tools"),
+    "function_call": (lambda v: False, "the deprecated function_call field is not supported; use tool_choice"),
+    "store": (lambda v: v == False, "this server stores no completions"),  # noqa: E712
+}
+REFUSED_COMPLETION: Refusals = {
+    "n": (lambda v: v == 1, "only n=1 is supported (one choice per request)"),
+    "best_of": (lambda v: v == 1, "only best_of=1 is supported"),
+    "logprobs": (lambda v: False, "log-probabilities are not supported yet"),
+    "echo": (lambda v: v == False, "echo is not supported"),  # noqa: E712
+    "suffix": (lambda v: v == "", "suffix (fill-in-the-middle) is not supported"),
+}
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    REFUSED: ClassVar[Refusals] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        """A 400 naming the first field set that Dyno does not implement (ApiError passes through pydantic)."""
+        if isinstance(data, dict):
+            for name, (no_op, why) in cls.REFUSED.items():
+                value = data.get(name)
+                if value is not None and not _safe(no_op, value):
+                    raise ApiError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
+        return data
+
+
+def _safe(test: Callable[[Any], bool], value: Any) -> bool:
+    try:
+        return bool(test(value))
+    except Exception:  # a value the test cannot compare is not a no-op
+        return False
 
 
 class StreamOptions(_Request):
@@ -52,7 +102,6 @@ class SamplingFields(_Request):
     top_k: Optional[int] = Field(None, ge=-1)  # -1 and 0 both mean "off" (vLLM and mlx-lm)
     min_p: Optional[float] = Field(None, ge=0, le=1)
     seed: Optional[int] = None  # any integer: reduced modulo 2**64, the range MLX's generator takes
-    n: int = Field(1, ge=1, le=1)  # one choice per request
     stop: Optional[Union[str, List[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -73,8 +122,10 @@ class SamplingFields(_Request):
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_tokens
 
-    def sampling(self, generation_config: dict, default_max_tokens: int, room: int, vocab: int) -> SamplingParams:
-        """SamplingParams: request values over generation_config over greedy; `room` caps max_tokens."""
+    def sampling(self, generation_config: dict, default_max_tokens: int, room: int, vocab: int,
+                 constraint=None) -> SamplingParams:
+        """SamplingParams: request values over generation_config over greedy; `room` caps max_tokens;
+        `constraint` the grammar the answer follows (speculative.constraints), if any."""
         wanted = self.requested_max_tokens() or default_max_tokens
         return SamplingParams.from_generation_config(
             generation_config, temperature=self.temperature, top_p=self.top_p, min_p=self.min_p,
@@ -86,6 +137,7 @@ class SamplingFields(_Request):
             presence_context_size=self.repetition_context_size,
             frequency_penalty=self.frequency_penalty or 0.0,
             frequency_context_size=self.repetition_context_size,
+            constraint=constraint,
         )
 
 
@@ -110,31 +162,110 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: Union[str, Dict[str, Any]] = "{}"  # a JSON string (OpenAI); an object is taken too
+
+
+class ToolCall(_Request):
+    """A call in an assistant message of the history."""
+
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        """The call as chat templates read it: arguments as an object when they are a JSON object
+        (Qwen3.5's template iterates over them), else as the string the client sent."""
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        return {"id": self.id, **call} if self.id is not None else call
+
+
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Optional[Union[str, List[TextPart]]] = None
     reasoning_content: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None  # assistant
+    tool_call_id: Optional[str] = None  # tool
+    name: Optional[str] = None  # tool (older clients name the function here)
 
     def for_template(self) -> dict:
         """The message as chat templates expect it: content as one string, `developer` as `system`
-        (newer OpenAI clients send it; Qwen templates know only system), reasoning kept for the template."""
+        (newer OpenAI clients send it; Qwen templates know only system), reasoning and tool calls
+        kept for the template, a tool result with its call's id."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         message = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.reasoning_content is not None and self.role == "assistant":
             message["reasoning_content"] = self.reasoning_content
+        if self.tool_calls and self.role == "assistant":
+            message["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.role == "tool":
+            message.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v})
         return message
 
 
+class FunctionDef(_Request):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None  # with tool_choice auto, calls follow their schemas (a grammar)
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+    def for_template(self) -> dict:
+        """The tool as chat templates render it (and as the constraints read it)."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True, exclude={"strict"})}
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
+    REFUSED: ClassVar[Refusals] = REFUSED_CHAT
     messages: List[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[Dict[str, Any]] = None  # read by speculative.constraints (errors name it)
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
 
+    def template_tools(self) -> Optional[List[dict]]:
+        """The tools as the chat template and the constraints take them; None without tools."""
+        return [t.for_template() for t in self.tools] if self.tools else None
+
+    def strict_tools(self) -> bool:
+        """True when a tool asks for strict arguments (OpenAI's function.strict)."""
+        return any(t.function.strict for t in self.tools or ())
+
+    def choice(self) -> Optional[Union[str, dict]]:
+        """tool_choice as speculative.constraints reads it ("auto" when tools come without one, as OpenAI)."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else None
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
 
 class CompletionRequest(SamplingFields):
+    REFUSED: ClassVar[Refusals] = REFUSED_COMPLETION
     prompt: Union[str, List[int], List[str]]
 
     def prompt_text_or_ids(self) -> Union[str, List[int]]:
@@ -176,10 +307,26 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
-class ChatMessageOut(_OmitNone):
+class FunctionOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionOut
+
+
+class ChatMessageOut(BaseModel):
     role: str = "assistant"
-    content: Optional[str] = ""
+    content: Optional[str] = ""  # null (kept) when the answer is only tool calls, as OpenAI sends it
     reasoning_content: Optional[str] = None
+    tool_calls: Optional[List[ToolCallOut]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None or k == "content"}
 
 
 class ChatChoice(BaseModel):
@@ -198,10 +345,25 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionDelta(_OmitNone):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ToolCallChunk(_OmitNone):
+    """A piece of a streamed call: index, id, type and name on its first chunk, then arguments."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionDelta
+
+
 class ChatDelta(_OmitNone):
     role: Optional[str] = None
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
+    tool_calls: Optional[List[ToolCallChunk]] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,0 +1,287 @@
+"""The Anthropic Messages API through the official `anthropic` client over a real socket: exact text
+with drafting on, the stream's event sequence, tool use and tool results, count_tokens, errors.
+
+The bundled dyno-tiny is the model: its chat template is Qwen's, with tools and tool calls.
+"""
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from dyno_ui.paths import BUNDLED_MODEL
+from helpers.reference import plain_greedy
+from helpers.serving import MODEL_ID, detokenize, running_server, split_think
+from speculative.config import SamplingParams, SpecConfig
+from speculative.constraints import json_schema_constraint, tool_call_constraint
+from speculative.engine import generate
+from speculative.events import Token
+
+pytestmark = pytest.mark.e2e
+
+SYSTEM = "You write Python."
+ASK = [{"role": "user", "content": "Show me a Python class named `Stack`."}]
+GREEDY = {"temperature": 0}  # the SDK no longer has a temperature argument; the API still takes it
+NO_THINKING = {"type": "disabled"}  # dyno-tiny answers in code only with its think block closed
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+           "required": ["city"], "additionalProperties": False}
+TOOLS = [{"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER}]
+TEMPLATE_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                    "parameters": WEATHER}}]
+ONE_CALL = {"type": "any", "disable_parallel_tool_use": True}  # any tool, one call: the tiny model must call
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(BUNDLED_MODEL, SpecConfig("mtp", 3)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.anthropic()
+
+
+def template(lm, messages, **kw):
+    """Token ids of the conversation through the model's own chat template, thinking closed unless said."""
+    kw.setdefault("enable_thinking", False)
+    return list(lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw))
+
+
+def expected_stop(lm, tokens):
+    return "end_turn" if tokens[-1] in lm.eos_token_ids else "max_tokens"
+
+
+def test_text_equals_plain_decoding_with_drafting_on(server, client):
+    lm = server.served.lm
+    prompt = template(lm, [{"role": "system", "content": SYSTEM}] + ASK)
+    reference = plain_greedy(lm, prompt, 48)
+    content, reasoning = split_think(detokenize(lm, reference))
+    assert content and not reasoning
+    before = server.stats()
+    out = client.messages.create(model=MODEL_ID, max_tokens=48, system=SYSTEM, messages=ASK, thinking=NO_THINKING,
+                                 extra_body=GREEDY)
+    assert [(b.type, b.text) for b in out.content] == [("text", content)]
+    assert (out.role, out.model, out.stop_reason, out.stop_sequence) == ("assistant", MODEL_ID,
+                                                                         expected_stop(lm, reference), None)
+    assert out.usage.input_tokens + out.usage.cache_read_input_tokens == len(prompt)
+    assert out.usage.output_tokens == len(reference)
+    after = server.stats()  # the same engine and counters as the OpenAI routes, drafting on
+    assert after["requests"]["total"] - before["requests"]["total"] == 1
+    assert after["tokens"]["generated"] - before["tokens"]["generated"] == len(reference)
+    assert after["speculative"]["rounds"] > before["speculative"]["rounds"]
+    assert after["speculative"]["accepted_tokens"] > before["speculative"]["accepted_tokens"]
+
+
+def test_stream_sends_the_documented_event_sequence(server, client):
+    kw = dict(model=MODEL_ID, max_tokens=30, system=SYSTEM, messages=ASK, thinking=NO_THINKING, extra_body=GREEDY)
+    whole = client.messages.create(**kw)
+    events = list(client.messages.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    deltas = len(kinds) - 5
+    assert deltas >= 2
+    assert kinds == (["message_start", "content_block_start"] + ["content_block_delta"] * deltas
+                     + ["content_block_stop", "message_delta", "message_stop"])
+    start, block = events[0], events[1]
+    assert start.message.content == [] and start.message.role == "assistant" and start.message.model == MODEL_ID
+    assert start.message.usage.input_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert (block.index, block.content_block.type, block.content_block.text) == (0, "text", "")
+    assert all(e.index == 0 and e.delta.type == "text_delta" for e in events[2:2 + deltas])
+    assert "".join(e.delta.text for e in events[2:2 + deltas]) == whole.content[0].text
+    final = events[-2]
+    assert (final.delta.stop_reason, final.delta.stop_sequence) == (whole.stop_reason, None)
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == start.message.usage.input_tokens
+    with client.messages.stream(**kw) as stream:  # the SDK's own accumulator agrees
+        assert [(b.type, b.text) for b in stream.get_final_message().content] == [("text", whole.content[0].text)]
+
+
+def test_next_turn_reads_the_cached_prefix(server, client):
+    """cache_read_input_tokens: the prompt tokens reused from the previous turn; input_tokens the rest."""
+    lm = server.served.lm
+    first = client.messages.create(model=MODEL_ID, max_tokens=9, messages=ASK, thinking=NO_THINKING, extra_body=GREEDY)
+    turn2 = ASK + [{"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "A queue."}]
+    prompt1, prompt2 = template(lm, ASK), template(lm, turn2)
+    assert prompt2[: len(prompt1) + 9] == prompt1 + plain_greedy(lm, prompt1, 9)  # the answer re-tokenizes to itself
+    second = client.messages.create(model=MODEL_ID, max_tokens=5, messages=turn2, thinking=NO_THINKING,
+                                    extra_body=GREEDY)
+    # The first turn's last token was pending (never fed), so one less than prompt + answer is reused.
+    assert second.usage.cache_read_input_tokens == len(prompt1) + 9 - 1
+    assert second.usage.input_tokens == len(prompt2) - second.usage.cache_read_input_tokens
+
+
+def test_reasoning_comes_back_as_a_thinking_block(server, client):
+    lm = server.served.lm
+    prompt = template(lm, ASK, enable_thinking=True)  # the template opens <think>
+    reference = plain_greedy(lm, prompt, 20)
+    content, reasoning = split_think(detokenize(lm, reference), thinking=True)
+    assert reasoning and not content
+    kw = dict(model=MODEL_ID, max_tokens=20, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024},
+              extra_body=GREEDY)
+    out = client.messages.create(**kw)
+    assert [(b.type, b.thinking) for b in out.content] == [("thinking", reasoning)]
+    events = list(client.messages.create(stream=True, **kw))
+    assert events[1].content_block.type == "thinking"
+    assert "".join(e.delta.thinking for e in events if e.type == "content_block_delta") == reasoning
+
+
+def test_stop_sequence_ends_the_answer(server, client):
+    lm = server.served.lm
+    full = split_think(detokenize(lm, plain_greedy(lm, template(lm, ASK), 30)))[0]
+    stop = full[10:13]
+    out = client.messages.create(model=MODEL_ID, max_tokens=30, messages=ASK, thinking=NO_THINKING,
+                                 stop_sequences=["never there", stop], extra_body=GREEDY)
+    assert (out.stop_reason, out.stop_sequence) == ("stop_sequence", stop)
+    assert out.content[0].text == full[: full.index(stop)]
+
+
+def test_forced_tool_use_then_tool_result(server, client):
+    """tool_choice any: a valid call, exactly plain decoding's under the same grammar; then the result."""
+    lm = server.served.lm
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    prompt = template(lm, ask, tools=TEMPLATE_TOOLS)
+    assert client.messages.count_tokens(model=MODEL_ID, messages=ask, tools=TOOLS, tool_choice=ONE_CALL,
+                                        thinking=NO_THINKING).input_tokens == len(prompt)
+    constraint = tool_call_constraint(TOOLS, ONE_CALL, lm, parallel=False)
+    plain = [e.id for e in generate(lm, prompt, SamplingParams(max_tokens=120, constraint=constraint),
+                                    SpecConfig("off")) if isinstance(e, Token)]
+    text = detokenize(lm, plain)
+    call = json.loads(text[len("<tool_call>\n"): -len("\n</tool_call>")])
+    before = server.stats()
+    out = client.messages.create(model=MODEL_ID, max_tokens=120, messages=ask, tools=TOOLS, tool_choice=ONE_CALL,
+                                 thinking=NO_THINKING, extra_body=GREEDY)
+    # The answer ends with its one call (disable_parallel_tool_use): the EOS the grammar allows next is not drawn.
+    assert plain[-1] in lm.eos_token_ids and out.usage.output_tokens == len(plain) - 1
+    assert out.stop_reason == "tool_use" and out.stop_sequence is None
+    assert server.stats()["speculative"]["accepted_tokens"] > before["speculative"]["accepted_tokens"]
+    (use,) = out.content
+    assert (use.type, use.name, use.input) == ("tool_use", call["name"], call["arguments"])
+    assert use.id.startswith("toolu_")
+    jsonschema.validate(use.input, WEATHER)
+    # Streamed: one tool_use block, its name first, then its input as JSON text in pieces.
+    events = list(client.messages.create(stream=True, model=MODEL_ID, max_tokens=120, messages=ask, tools=TOOLS,
+                                         tool_choice=ONE_CALL, thinking=NO_THINKING, extra_body=GREEDY))
+    kinds = [e.type for e in events]
+    pieces = len(kinds) - 5
+    assert pieces >= 1 and kinds == (["message_start", "content_block_start"] + ["content_block_delta"] * pieces
+                                     + ["content_block_stop", "message_delta", "message_stop"])
+    assert (events[1].content_block.type, events[1].content_block.name) == ("tool_use", use.name)
+    assert events[1].content_block.input == {}
+    assert all(e.delta.type == "input_json_delta" and e.index == 0 for e in events[2:2 + pieces])
+    assert json.loads("".join(e.delta.partial_json for e in events[2:2 + pieces])) == use.input
+    assert events[-2].delta.stop_reason == "tool_use"
+
+    # The next turn replays the call and its result through the template as tool_calls and a tool message.
+    turn2 = ask + [{"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
+                                                      "input": use.input}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                 "content": "18 C, sunny"}]}]
+    prompt2 = template(lm, ask + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": use.id, "type": "function", "function": {"name": use.name, "arguments": use.input}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": "18 C, sunny"}], tools=TEMPLATE_TOOLS)
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in lm.tokenizer.decode(prompt2)
+    assert client.messages.count_tokens(model=MODEL_ID, messages=turn2, tools=TOOLS,
+                                        thinking=NO_THINKING).input_tokens == len(prompt2)
+    reference = plain_greedy(lm, prompt2, 30)
+    content = split_think(detokenize(lm, reference))[0]
+    assert "<tool_call>" not in content  # this answer is text: what tool_choice auto must pass through as text
+    out2 = client.messages.create(model=MODEL_ID, max_tokens=30, messages=turn2, tools=TOOLS, thinking=NO_THINKING,
+                                  extra_body=GREEDY)
+    assert [(b.type, b.text) for b in out2.content] == [("text", content)]
+    assert out2.stop_reason == expected_stop(lm, reference)
+    assert out2.usage.input_tokens + out2.usage.cache_read_input_tokens == len(prompt2)
+
+
+def test_output_config_format_is_a_grammar_with_drafting_on(server, client):
+    """output_config.format: JSON valid against the schema, exactly plain decoding's under the same grammar."""
+    lm = server.served.lm
+    ask = [{"role": "user", "content": "Which city is the capital of France?"}]
+    prompt = template(lm, ask)
+    constraint = json_schema_constraint(WEATHER, lm)
+    plain = [e.id for e in generate(lm, prompt, SamplingParams(max_tokens=80, constraint=constraint),
+                                    SpecConfig("off")) if isinstance(e, Token)]
+    out = client.messages.create(model=MODEL_ID, max_tokens=80, messages=ask, thinking=NO_THINKING, extra_body=GREEDY,
+                                 output_config={"format": {"type": "json_schema", "schema": WEATHER}})
+    assert [(b.type, b.text) for b in out.content] == [("text", detokenize(lm, plain))]
+    assert out.usage.output_tokens == len(plain) and out.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(out.content[0].text), WEATHER)
+
+
+def test_count_tokens_is_the_templated_prompt(server, client):
+    lm = server.served.lm
+    system = [{"type": "text", "text": "You write "}, {"type": "text", "text": "Python."}]
+    counted = client.messages.count_tokens(model=MODEL_ID, system=system, messages=ASK, thinking=NO_THINKING)
+    assert counted.input_tokens == len(template(lm, [{"role": "system", "content": SYSTEM}] + ASK))
+    thinking = client.messages.count_tokens(model=MODEL_ID, messages=ASK, thinking={"type": "enabled",
+                                                                                    "budget_tokens": 1024})
+    assert thinking.input_tokens == len(template(lm, ASK, enable_thinking=True))
+
+
+def error_of(response: httpx.Response) -> tuple:
+    body = response.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error"
+    return response.status_code, body["error"]["type"], body["error"]["message"]
+
+
+@pytest.mark.parametrize("body, status, kind, says", [
+    ({"model": MODEL_ID, "messages": ASK}, 400, "invalid_request_error", "max_tokens"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK, "temperature": 1.5}, 400, "invalid_request_error",
+     "temperature"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
+     400, "invalid_request_error", "'image'"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK, "tools": [{"type": "web_search_20250305",
+                                                                     "name": "web_search"}]},
+     400, "invalid_request_error", "web_search_20250305"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK, "tool_choice": {"type": "any"}}, 400,
+     "invalid_request_error", "no tools"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "tool",
+                                                                                          "name": "nope"}},
+     400, "invalid_request_error", "'nope'"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK + [{"role": "assistant", "content": "class"}]},
+     400, "invalid_request_error", "prefill"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": [{"role": "user", "content": "y" * 5000}]}, 400,
+     "invalid_request_error", "maximum context length"),
+    ({"model": "claude-opus-4", "max_tokens": 5, "messages": ASK}, 404, "not_found_error", "claude-opus-4"),
+], ids=["no max_tokens", "temperature", "image block", "server tool", "any without tools", "unknown tool",
+        "prefill", "too long", "unknown model"])
+def test_errors_are_anthropic_shaped(server, body, status, kind, says):
+    got = error_of(server.post("/v1/messages", json=body))
+    assert got[:2] == (status, kind) and says in got[2]
+
+
+def test_every_error_on_these_routes_is_anthropic_shaped_and_openai_keeps_its_own(server, client):
+    assert error_of(server.post("/v1/messages", content=b'{"model":'))[:2] == (400, "invalid_request_error")
+    assert error_of(server.post("/v1/messages/count_tokens", json={"model": MODEL_ID}))[:2] == (
+        400, "invalid_request_error")
+    assert error_of(server.post("/v1/messages/batches", json={}))[:2] == (404, "not_found_error")
+    assert error_of(server.get("/v1/messages"))[:2] == (405, "invalid_request_error")
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="nope", max_tokens=5, messages=ASK)
+    assert e.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=MODEL_ID, max_tokens=0, messages=ASK)
+    openai_error = server.post("/v1/chat/completions", content=b'{"model":').json()
+    assert set(openai_error) == {"error"} and openai_error["error"]["type"] == "invalid_request_error"
+    assert server.post("/v1/nothing", json={}).json()["error"]["type"] == "not_found_error"
+
+
+def test_a_job_the_engine_fails_is_an_error_response_or_an_error_event(tiny_dir):
+    """After message_start a failure can only be an `error` event; before it, an error response."""
+    with running_server(tiny_dir(), SpecConfig("auto", 2)) as server:
+        server.served.worker.close(15)  # a stopped engine answers every job with a 503
+        body = {"model": MODEL_ID, "max_tokens": 5, "messages": ASK}
+        assert error_of(server.post("/v1/messages", json=body)) == (503, "overloaded_error",
+                                                                    "the server is shutting down")
+        r = server.post("/v1/messages", json=dict(body, stream=True))
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [(e.split("\n")[0], json.loads(e.split("\n")[1][len("data: "):]))
+                  for e in r.text.strip().split("\n\n")]
+        assert [name for name, _ in events] == ["event: message_start", "event: error"]
+        assert events[1][1] == {"type": "error", "error": {"type": "overloaded_error",
+                                                           "message": "the server is shutting down"}}
+        with pytest.raises(anthropic.APIStatusError, match="overloaded_error"):
+            list(server.anthropic().messages.create(stream=True, **body))

@@ -1,0 +1,127 @@
+"""README's "Using Dyno from agents and editors", run: its `dyno serve` line configures the server the
+other examples then talk to (environment variables, Python snippets, curl commands), each as written
+but for the address."""
+
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from dyno_ui import cli
+from dyno_ui.cli.serve import options_from
+from dyno_ui.paths import BUNDLED_MODEL
+from helpers.serving import running_server
+from speculative.config import SpecConfig
+
+pytestmark = pytest.mark.e2e
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+TITLE = "## Using Dyno from agents and editors"
+ADDRESS = "http://127.0.0.1:8080"
+
+
+def section() -> str:
+    text = README.read_text()
+    start = text.index(TITLE)
+    end = text.index("\n## ", start + len(TITLE))
+    return text[start:end]
+
+
+def blocks(kind: str):
+    """The section's fenced blocks of one language, in order."""
+    return re.findall(rf"```{kind}\n(.*?)```", section(), flags=re.S)
+
+
+def commands(block: str):
+    """A bash block's commands (backslash continuations joined)."""
+    return [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_the_section_has_only_examples_this_file_runs():
+    fences = [kind for kind, _ in re.findall(r"```(\w*)\n(.*?)```", section(), flags=re.S)]
+    assert fences == ["bash", "bash", "python", "python", "python", "bash"]
+    assert "](#using-dyno-from-agents-and-editors)" in README.read_text()  # the dyno serve section links here
+
+
+@pytest.fixture(scope="module")
+def readme_server():
+    """The server the README's `dyno serve` line asks for, on dyno-tiny (the default model)."""
+    serve = commands(blocks("bash")[0])
+    assert len(serve) == 1
+    words = shlex.split(serve[0])
+    env = dict(w.split("=", 1) for w in words[: words.index("dyno")])
+    args = words[words.index("dyno") + 1:]
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        options = options_from(cli.build_parser().parse_args(args))
+    assert options.api_key == "my-key" and options.served_model_names == ("qwen-local",)
+    assert options.allowed_origins == ("https://app.example.com",)
+    with running_server(BUNDLED_MODEL, SpecConfig("auto", 3), options=options) as server:
+        yield server
+
+
+def test_environment_variables_configure_the_sdks(readme_server, monkeypatch):
+    exports = commands(blocks("bash")[1])
+    for line in exports:
+        words = shlex.split(line.replace(ADDRESS, readme_server.url))
+        assert words[0] == "export"
+        for word in words[1:]:
+            monkeypatch.setenv(*word.split("=", 1))
+    model = anthropic.Anthropic(max_retries=0).messages.create(  # base URL and token from the environment
+        model=os.environ["ANTHROPIC_MODEL"], max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert model.type == "message"
+    reply = openai.OpenAI(max_retries=0).chat.completions.create(
+        model="qwen-local", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_python_examples(readme_server, index):
+    code = blocks("python")[index]
+    assert ADDRESS in code
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code.replace(ADDRESS, readme_server.url), f"README python example {index + 1}", "exec"), {})
+    printed = out.getvalue()
+    assert printed.strip()
+    if index == 2:  # the tool example: a call of get_weather with a city the schema allows
+        first = printed.splitlines()[0]
+        assert re.fullmatch(r"tool_use get_weather \{'city': '(Paris|Rome|Oslo)'\}", first), first
+
+
+def test_curl_examples(readme_server):
+    """Each curl command, sent as curl would send it: its URL, headers and body."""
+    curls = commands(blocks("bash")[2])
+    assert len(curls) == 2
+    answers = []
+    for line in curls:
+        words = shlex.split(line.replace(ADDRESS, readme_server.url))
+        assert words[0] == "curl"
+        url, headers, body = None, {}, None
+        rest = iter(words[1:])
+        for word in rest:
+            if word == "-H":
+                name, _, value = next(rest).partition(":")
+                headers[name.strip()] = value.strip()
+            elif word == "-d":
+                body = next(rest)
+            else:
+                assert url is None, word
+                url = word
+        r = httpx.post(url, headers=headers, content=body, timeout=60)  # -d makes curl POST
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+    assert answers[0]["type"] == "message" and answers[0]["model"] == "qwen-local"
+    prompt = json.loads(shlex.split(curls[1])[-1])
+    assert answers[1] == {"input_tokens": answers[0]["usage"]["input_tokens"]
+                          + answers[0]["usage"]["cache_read_input_tokens"]}
+    assert "max_tokens" not in prompt

@@ -1,0 +1,326 @@
+"""Tool calls and structured output through the official openai client over a real socket, with drafting
+on: every constrained answer equals mlx-lm's plain greedy decoding under the same grammar, token
+for token, and parses and validates against its schema."""
+
+import json
+
+import jsonschema
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.tool_parsers import qwen3_coder as mlx_qwen3_coder
+
+from dyno_ui.paths import BUNDLED_MODEL
+from helpers.serving import MODEL_ID, detokenize, running_server
+from helpers.tool_models import XML_TEMPLATE, XML_TOOLS, with_template
+from speculative.config import SamplingParams, SpecConfig
+from speculative.constraints import combine, json_schema_constraint, tool_call_constraint
+from speculative.processors import processors_for
+
+
+pytestmark = pytest.mark.e2e
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+ANSWER = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False}
+OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(BUNDLED_MODEL, SpecConfig("mtp", 3)) as running:
+        yield running
+
+
+def template(lm, messages, tools=None, thinking=False):
+    return lm.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                            enable_thinking=thinking)
+
+
+def plain(lm, prompt, constraint, n, logit_bias=None):
+    """mlx-lm's generate_step, greedy, with the constraint's processor (and bias): the reference tokens."""
+    params = SamplingParams(max_tokens=n, constraint=constraint, logit_bias=logit_bias)
+    out = []
+    for t, _ in generate_step(mx.array(prompt), lm.model, max_tokens=n, logits_processors=processors_for(params)):
+        out.append(int(t))
+        if out[-1] in lm.eos_token_ids:
+            break
+    return out
+
+
+def written_call(text):
+    """(name, arguments exactly as written) of the one JSON-form call `text` holds."""
+    assert text.startswith(OPEN) and text.endswith(CLOSE), text
+    body = text[len(OPEN):-len(CLOSE)].rstrip()
+    inner = body[:-1].rstrip()  # without the call object's closing brace
+    arguments = inner[inner.index('"arguments"') + len('"arguments"'):].lstrip()[1:].lstrip()
+    return json.loads(body)["name"], arguments
+
+
+def one_call(message):
+    (call,) = message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    return call.function.name, call.function.arguments
+
+
+def valid(name, arguments):
+    """The arguments parse and validate against the named tool's parameters."""
+    tool = {t["function"]["name"]: t["function"] for t in TOOLS}[name]
+    jsonschema.validate(json.loads(arguments), tool["parameters"])
+    return True
+
+
+def drafted(server, before):
+    spec = server.stats()["speculative"]
+    return spec["accepted_tokens"] - before["speculative"]["accepted_tokens"]
+
+
+def test_required_tool_call_equals_plain_decoding_streamed_or_not(server):
+    lm = server.served.lm
+    before = server.stats()
+    kw = dict(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=320, temperature=0, extra_body=NO_THINKING)
+    whole = server.client.chat.completions.create(**kw)
+    reference = plain(lm, template(lm, ASK, TOOLS), tool_call_constraint(TOOLS, "required", lm, parallel=False), 320)
+    message = whole.choices[0].message
+    assert one_call(message) == written_call(detokenize(lm, reference))
+    assert valid(*one_call(message)) and message.content is None
+    # Not parallel: the answer ends with its one call, before the EOS the grammar would force next.
+    assert reference[-1] in lm.eos_token_ids and whole.usage.completion_tokens == len(reference) - 1
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert drafted(server, before) > len(reference) // 3  # drafting stayed on under the grammar
+
+    chunks = list(server.client.chat.completions.create(stream=True, **kw))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    first, rest = calls[0], calls[1:]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (0, "function", "add", "")
+    assert first.id.startswith("call_") and all(c.id is None and c.index == 0 for c in rest)
+    assert len(rest) > 3  # the arguments arrive in pieces
+    assert "".join(c.function.arguments for c in rest) == message.tool_calls[0].function.arguments
+    assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_named_tool_choice_with_several_calls_in_one_turn(server):
+    lm = server.served.lm
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = server.client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice=named,
+                                                max_tokens=260, temperature=0, extra_body=NO_THINKING)
+    reference = plain(lm, template(lm, ASK, TOOLS), tool_call_constraint(TOOLS, named, lm), 260)
+    assert out.usage.completion_tokens == len(reference) == 260
+    # The model calls again and again (parallel calls are on): complete calls, then one cut by max_tokens.
+    blocks = [b if b.startswith(OPEN) else "<tool_call>" + b for b in detokenize(lm, reference).split("\n<tool_call>")]
+    complete, cut = blocks[:-1], blocks[-1]
+    assert len(complete) >= 2 and all(b.endswith(CLOSE) for b in complete) and not cut.endswith(CLOSE)
+    message = out.choices[0].message
+    calls = message.tool_calls[:len(complete)]
+    assert len({c.id for c in message.tool_calls}) == len(message.tool_calls)
+    for call, block in zip(calls, complete):
+        assert (call.function.name, call.function.arguments) == written_call(block)
+        assert valid(call.function.name, call.function.arguments)
+    if '"arguments"' in cut:  # its name was read: a call, cut short
+        assert len(message.tool_calls) == len(complete) + 1 and message.content is None
+    else:  # not yet a call: its text stays, as content (with the newline before it)
+        assert len(message.tool_calls) == len(complete) and message.content == "\n" + cut
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_agent_loop_with_tool_results_equals_plain_decoding(server):
+    """Call a tool, get its result, answer in a schema: two turns through the drafting engine."""
+    lm = server.served.lm
+    client, before = server.client, server.stats()
+    first = client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=200, temperature=0,
+                                           extra_body=NO_THINKING)
+    (call,) = first.choices[0].message.tool_calls
+    reference = plain(lm, template(lm, ASK, [WEATHER]),
+                      tool_call_constraint([WEATHER], "required", lm, parallel=False), 200)
+    assert (call.function.name, call.function.arguments) == written_call(detokenize(lm, reference))
+    assert first.usage.completion_tokens == len(reference) - 1  # all but the EOS after the one call
+
+    history = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    second = client.chat.completions.create(model=MODEL_ID, messages=history, tools=[WEATHER],
+                                            response_format=response_format, max_tokens=120, temperature=0,
+                                            extra_body=NO_THINKING)
+    # The history as the template writes it: the call's arguments as an object, the result as a tool response.
+    replayed = ASK + [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": call.function.name, "arguments": json.loads(call.function.arguments)}}]},
+                      {"role": "tool", "content": '{"temperature": 21}'}]
+    prompt = template(lm, replayed, [WEATHER])
+    assert second.usage.prompt_tokens == len(prompt)
+    assert "<tool_response>\n{\"temperature\": 21}\n</tool_response>" in lm.tokenizer.decode(prompt)
+    either = combine([tool_call_constraint([WEATHER], "required", lm), json_schema_constraint(ANSWER, lm)], lm)
+    reference = plain(lm, prompt, either, 120)
+    message = second.choices[0].message
+    assert message.content == detokenize(lm, reference) and second.usage.completion_tokens == len(reference)
+    jsonschema.validate(json.loads(message.content), ANSWER)  # it answered (the grammar allowed a call too)
+    assert second.choices[0].finish_reason == "stop" and message.tool_calls is None
+    assert drafted(server, before) > 0
+
+
+def test_response_format_json_schema_streamed_or_not(server):
+    lm = server.served.lm
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    kw = dict(model=MODEL_ID, messages=ASK, response_format=response_format, max_tokens=100, temperature=0,
+              extra_body=NO_THINKING)
+    whole = server.client.chat.completions.create(**kw)
+    reference = plain(lm, template(lm, ASK), json_schema_constraint(ANSWER, lm), 100)
+    assert whole.choices[0].message.content == detokenize(lm, reference)
+    jsonschema.validate(json.loads(whole.choices[0].message.content), ANSWER)
+    streamed = list(server.client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content
+    obj = server.client.chat.completions.create(model=MODEL_ID, messages=ASK, max_tokens=60, temperature=0,
+                                                response_format={"type": "json_object"}, extra_body=NO_THINKING)
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_thinking_comes_before_the_constrained_answer(server):
+    """The template opens <think> (thinking on, the default): the model thinks freely, then answers in the schema."""
+    lm = server.served.lm
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    prompt = template(lm, ASK, thinking=True)
+    after_thinking = combine([json_schema_constraint(ANSWER, lm)], lm, "</think>")
+    thinking = server.client.chat.completions.create(model=MODEL_ID, messages=ASK, response_format=response_format,
+                                                     max_tokens=16, temperature=0)
+    reference = plain(lm, prompt, after_thinking, 16)
+    message = thinking.choices[0].message
+    assert message.reasoning_content == detokenize(lm, reference) and message.content == ""
+    assert thinking.choices[0].finish_reason == "length"  # still thinking: this model never stops on its own
+    # A bias on </think> ends the thinking at once; the answer then follows the schema.
+    end = lm.tokenizer.convert_tokens_to_ids("</think>")
+    answered = server.client.chat.completions.create(model=MODEL_ID, messages=ASK, response_format=response_format,
+                                                     max_tokens=60, temperature=0, logit_bias={str(end): 5})
+    reference = plain(lm, prompt, after_thinking, 60, logit_bias={end: 5.0})
+    assert answered.choices[0].message.content == detokenize(lm, reference).split("</think>")[1]
+    jsonschema.validate(json.loads(answered.choices[0].message.content), ANSWER)
+
+
+def test_strict_tools_with_auto_choice(server):
+    """strict: the model may answer in text, and the call it makes fits the tool's schema."""
+    lm = server.served.lm
+    strict = [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]
+    start = lm.tokenizer.convert_tokens_to_ids("<tool_call>")
+    grammar = combine([tool_call_constraint([WEATHER], "required", lm, parallel=False)], lm, optional=True)
+    prompt = template(lm, ASK, [WEATHER])  # `strict` is not rendered
+    for bias, n in ((None, 30), ({start: 100.0}, 130)):  # the bias makes the model start a call at once
+        out = server.client.chat.completions.create(
+            model=MODEL_ID, messages=ASK, tools=strict, parallel_tool_calls=False, max_tokens=n, temperature=0,
+            extra_body=dict(NO_THINKING, logit_bias={str(k): v for k, v in (bias or {}).items()}))
+        reference = plain(lm, prompt, grammar, n, logit_bias=bias)
+        message = out.choices[0].message
+        if bias is None:  # text, as the model writes it under the grammar
+            assert message.tool_calls is None and message.content == detokenize(lm, reference) != ""
+        else:
+            assert one_call(message) == written_call(detokenize(lm, reference)) and valid(*one_call(message))
+            assert out.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format", "invalid JSON schema: Invalid type: objekt"),
+    ({"response_format": {"type": "xml"}}, "response_format",
+     "invalid response_format: type must be text, json_object or json_schema, got 'xml'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+      "tool_choice": "required"}, "tool_choice", "invalid tool schema: "),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice",
+     "invalid tool_choice: no tool named 'mul' in tools"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools.0.type",
+     "tools.0.type: Input should be 'function'"),
+    ({"tool_choice": "required"}, "tool_choice",
+     "invalid tool_choice: it requires a tool call but no tools were given"),
+])
+def test_invalid_structure_is_a_400_naming_it(server, body, param, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(model=MODEL_ID, messages=ASK, max_tokens=4, extra_body=body)
+    error = e.value.body
+    assert e.value.status_code == 400 and error["param"] == param and error["message"].startswith(message)
+
+
+CHAT_REFUSED = [("n", 2), ("logprobs", True), ("top_logprobs", 3), ("audio", {"voice": "alloy", "format": "wav"}),
+                ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
+                ("reasoning_effort", "low"), ("verbosity", "low"), ("web_search_options", {}),
+                ("functions", [{"name": "f"}]), ("function_call", "auto"), ("store", True)]
+COMPLETION_REFUSED = [("n", 2), ("logprobs", 0), ("echo", True), ("suffix", "x"), ("best_of", 2)]
+
+
+@pytest.mark.parametrize("field, value", CHAT_REFUSED)
+def test_unimplemented_chat_fields_are_refused_by_name(server, field, value):
+    r = server.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    error = r.json()["error"]
+    assert error["message"].startswith(f"{field}: ") and error["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("field, value", COMPLETION_REFUSED)
+def test_unimplemented_completion_fields_are_refused_by_name(server, field, value):
+    r = server.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def test_no_op_values_of_those_fields_are_served(server):
+    noop = {"n": 1, "logprobs": False, "top_logprobs": 0, "modalities": ["text"], "store": False, "audio": None}
+    assert server.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **noop}).status_code == 200
+    noop = {"n": 1, "echo": False, "suffix": "", "best_of": 1, "logprobs": None}
+    assert server.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **noop}).status_code == 200
+
+
+def test_tool_choice_none_leaves_tools_out(server):
+    lm = server.served.lm
+    out = server.client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice="none",
+                                                max_tokens=12, temperature=0, extra_body=NO_THINKING)
+    assert out.usage.prompt_tokens == len(template(lm, ASK))  # rendered without the tools
+    assert out.choices[0].message.tool_calls is None
+
+
+@pytest.fixture(scope="module")
+def xml_server(tiny_dir, tmp_path_factory):
+    folder = with_template(tiny_dir(), XML_TEMPLATE, tmp_path_factory.mktemp("xml") / "tiny")
+    with running_server(folder, SpecConfig("mtp", 3)) as running:
+        yield running
+
+
+def test_xml_form_required_call_and_replay(xml_server):
+    """Qwen3.5's <function=...><parameter=...> form: forced in that form, parsed by mlx-lm's qwen3_coder."""
+    lm = xml_server.served.lm
+    kw = dict(model=MODEL_ID, messages=ASK, tools=XML_TOOLS, tool_choice="required", max_tokens=200, temperature=0)
+    whole = xml_server.client.chat.completions.create(**kw)
+    name, arguments = one_call(whole.choices[0].message)
+    assert name == "pick" and whole.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(arguments), XML_TOOLS[0]["function"]["parameters"])
+    constraint = tool_call_constraint(XML_TOOLS, "required", lm, form="xml")
+    reference = plain(lm, template(lm, ASK, XML_TOOLS), constraint, 200)
+    assert whole.usage.completion_tokens == len(reference)
+    text = detokenize(lm, reference)
+    assert text.startswith("<tool_call>\n<function=pick>\n<parameter=kind>\n") and text.endswith("</tool_call>")
+    expected = mlx_qwen3_coder.parse_tool_call(text[len("<tool_call>"):-len("</tool_call>")], XML_TOOLS)
+    assert arguments == json.dumps(expected["arguments"])  # what mlx-lm's own parser reads from the same text
+    streamed = [c.choices[0].delta.tool_calls[0] for c in xml_server.client.chat.completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].delta.tool_calls]
+    assert "".join(c.function.arguments for c in streamed) == arguments and len(streamed) >= 3
+    # Replayed, the arguments string becomes the object the template iterates over.
+    history = ASK + [whole.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": whole.choices[0].message.tool_calls[0].id, "content": "ok"}]
+    again = xml_server.client.chat.completions.create(model=MODEL_ID, messages=history, tools=XML_TOOLS,
+                                                      max_tokens=1, temperature=0)
+    replayed = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": name, "arguments": json.loads(arguments)}}]}, {"role": "tool", "content": "ok"}]
+    assert again.usage.prompt_tokens == len(template(lm, replayed, XML_TOOLS))
+
+
+def test_tools_for_a_template_without_tools_are_refused(tiny_dir):
+    with running_server(tiny_dir()) as server:
+        with pytest.raises(openai.BadRequestError) as e:
+            server.client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, max_tokens=2)
+    assert e.value.body["message"] == "invalid tools: this model's chat template has no tool calls"
+    assert e.value.body["param"] == "tools"
