@@ -161,7 +161,8 @@ def init_group(backend: str = "any", timeout: float = INIT_TIMEOUT,
                                                     f"(mx.distributed.init, backend {backend})")):
             return mx.distributed.init(strict=True, backend=backend)
     except RuntimeError as e:  # e.g. no hostfile: not launched by mlx.launch
-        raise DistributedError(f"cannot join the distributed group: {one_line(e)}") from None
+        raise DistributedError(f"cannot join the distributed group ({one_line(e)}); start every rank with "
+                               f"mlx.launch, e.g. mlx.launch --hosts host1,host2 -- dyno ... --distributed pipeline") from None
     finally:
         if watchdog is None:
             dog.close()

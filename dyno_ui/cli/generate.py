@@ -3,9 +3,10 @@
 import json
 import sys
 
-from speculative.config import SamplingParams
+from speculative.config import DEFAULT_DRAFT_DEPTH, SamplingParams, SpecConfig
 from speculative.errors import DynoError
 
+from ..paths import default_model
 from .common import add_model_args, model_options, notify
 
 
@@ -34,12 +35,8 @@ def sampling_from(args, generation_config: dict) -> SamplingParams:
 
 
 def cmd_generate(args) -> int:
-    from speculative import generate, load_model
-    from speculative.config import SpecConfig
-    from speculative.stats import GenerationStats
+    from speculative import load_model
     from speculative.tuning import resolve_depth
-
-    from ..paths import default_model
 
     options = model_options(args)  # every flag checked before anything is loaded
     if args.max_tokens < 1:
@@ -47,10 +44,49 @@ def cmd_generate(args) -> int:
     if not args.prompt:
         raise DynoError("the prompt is empty")
     sampling_from(args, {})
+    if options.distributed:
+        return _generate_split(args, options)
     lm = load_model(options.model or default_model(), mode=options.speculative, mtp_head=options.mtp_head,
                     mtp_base=options.mtp_base, notify=notify, head_bits=options.mtp_head_bits)
-    params = sampling_from(args, lm.generation_config)
     spec = SpecConfig(options.speculative, resolve_depth(lm, options.draft_depth), options.draft_vocab)
+    from speculative import generate
+
+    return _run(args, lm, spec, generate)
+
+
+def _generate_split(args, options) -> int:
+    """`mlx.launch ... dyno generate --distributed S`: every rank loads its part; rank 0 tokenizes,
+    generates and prints, the others follow its rounds until it releases them."""
+    from speculative import distributed
+    from speculative.tuning import stored
+
+    dog = distributed.Watchdog()
+    try:
+        group = distributed.init_group(watchdog=dog)
+        leader = group.rank() == 0
+        lm = distributed.load_sharded(options.model or default_model(), options.distributed, group, watchdog=dog,
+                                      mode=options.speculative, mtp_head=options.mtp_head, mtp_base=options.mtp_base,
+                                      head_bits=options.mtp_head_bits, notify=notify if leader else None)
+        if not leader:
+            distributed.follow(lm)
+            return 0
+        try:
+            # No cost-model estimate for `auto`: its timing runs would be collectives on rank 0 alone.
+            depth = options.draft_depth
+            if depth == "auto":
+                depth = int((stored(lm) or {}).get("depth", DEFAULT_DRAFT_DEPTH))
+            return _run(args, lm, SpecConfig(options.speculative, depth, options.draft_vocab), distributed.generate)
+        finally:
+            distributed.release(lm)
+    finally:
+        dog.close()
+
+
+def _run(args, lm, spec, generate) -> int:
+    """Tokenize, generate with `generate` (one process's engine or the split one), print."""
+    from speculative.stats import GenerationStats
+
+    params = sampling_from(args, lm.generation_config)
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
         prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -6,11 +6,13 @@ import re
 
 import pytest
 
-from helpers.run import dyno
+from helpers.run import dyno, launched_dyno
 
 from helpers import tiny_models
 from helpers.reference import plain_greedy
 from dyno_ui.cli.generate import sampling_from
+from dyno_ui.paths import BUNDLED_MODEL
+from speculative.loader import load_model
 
 pytestmark = pytest.mark.e2e
 
@@ -112,3 +114,25 @@ def test_sampling_defaults_from_generation_config():
     args.temp = 0.0
     assert sampling_from(args, gc).greedy
     assert sampling_from(argparse.Namespace(**{**vars(args), "temp": None}), {**gc, "do_sample": False}).greedy
+
+
+def test_generate_split_across_two_ranks_is_one_process_greedy():
+    """`mlx.launch -n 2 ... dyno generate --distributed pipeline` on the bundled model (two local ranks
+    on the ring backend): drafting on, and the tokens are one process's plain greedy tokens."""
+    prompt = "def read_config(path):\n"
+    r = launched_dyno("generate", "--distributed", "pipeline", "--prompt", prompt, "--max-tokens", "40",
+                      "--temp", "0", "--draft-depth", "2", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    lm = load_model(BUNDLED_MODEL, mode="off")
+    assert out["tokens"] == plain_greedy(lm, lm.tokenizer.encode(prompt), 40)
+    spec = out["speculative"]
+    assert spec["mode"] == "mtp" and spec["draft_depth"] == 2 and spec["accepted_tokens"] > 0, spec
+    assert r.stderr.count("MTP: 40 tokens in ") == 1  # rank 0 reports; the follower prints nothing
+
+
+def test_generate_split_outside_mlx_launch_is_one_error_line():
+    r = dyno("generate", "--distributed", "pipeline", "--prompt", "x", timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("dyno: error: cannot join the distributed group (") and r.stderr.count("\n") == 1
+    assert "start every rank with mlx.launch" in r.stderr

@@ -14,7 +14,6 @@ depth occurs, and the rollback runs on each rank's slice of the Gated DeltaNet s
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import mlx.core as mx
 import pytest
 
 from helpers import tiny_models
+from helpers.run import LAUNCH, free_ports
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.errors import DynoError
@@ -33,7 +33,6 @@ from speculative.loader import load_model
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 RANK = ROOT / "tests" / "helpers" / "distributed_rank.py"
-LAUNCH = Path(sys.executable).parent / "mlx.launch"
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 TOKENS = 28
 SAMPLED = {"temperature": 1.0, "top_k": 40, "seed": 11}
@@ -69,24 +68,6 @@ def models(tmp_path_factory):
         if name != "untied":  # the untied one keeps its random head: nothing accepted, all rolled back
             copy_head(built[name])
     return built
-
-
-def free_ports(n: int = 2) -> int:
-    """A first port such that it and the next n - 1 are free on 127.0.0.1."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        if first + n > 65535:
-            continue
-        try:
-            for p in range(first, first + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
 
 
 def plan_file(tmp_path: Path, cases: list, fault: dict = None) -> Path:
