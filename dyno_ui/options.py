@@ -7,6 +7,7 @@ from typing import Optional, Tuple, Union
 from speculative.config import SpecConfig
 from speculative.errors import DynoError
 from speculative.precision import parse_head_bits
+from speculative.prefix_cache import parse_size
 
 DEFAULT_PORT = 8080
 DEFAULT_MAX_TOKENS = 512
@@ -49,10 +50,15 @@ class ServeOptions:
     api_key: Optional[str] = None  # required on /v1/* and for loading models in the playground
     allowed_origins: Tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
     served_model_names: Tuple[str, ...] = ()  # ids requests may use besides the model's folder name
+    prompt_cache_bytes: Union[int, str, None] = None  # memory for reusable prompt states (None: 1/8 of the machine's)
+    prompt_cache_dir: Optional[Path] = None  # keep evicted (and, on shutdown, live) prompt states here
+    prompt_cache_disk_bytes: Union[int, str, None] = None  # that folder's budget (None: see speculative/prefix_disk.py)
 
     def __post_init__(self):
         object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") or o for o in self.allowed_origins))
         object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
+        for name in ("prompt_cache_bytes", "prompt_cache_disk_bytes"):  # "8GB", "512MiB", 0, bytes
+            object.__setattr__(self, name, parse_size(getattr(self, name), "--" + name.replace("_", "-")))
         if self.api_key is not None and not self.api_key.strip():
             raise DynoError("--api-key must not be empty")
         for origin in self.allowed_origins:

@@ -40,7 +40,9 @@ class GDNTape:
         window = self.conv_input.shape[1] - len(self._steps())
         # After consuming c tokens the window is rows [c, c + K-1) of conv_input.
         self.cache[0] = self.conv_input[:, consumed : consumed + window, :]
-        if self.states is not None:
+        if consumed == 0:  # none kept (a consumer that stopped before the pass's first token)
+            self.cache[1] = self.state_before
+        elif self.states is not None:
             self.cache[1] = self.states[consumed - 1]
         else:
             q, k, v, a, b, layer = self.replay

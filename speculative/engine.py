@@ -7,7 +7,7 @@ reuse live outside it.
 
 import random
 import time
-from typing import Generator, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -19,7 +19,7 @@ from .draft_vocab import draft_lm_head
 from .errors import DynoError
 from .events import Done, Provenance, Round, Token
 from .loader import LoadedModel
-from .prefix_cache import PrefixCache, PrefixEntry
+from .prefix_cache import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
 from .processors import PrefixProcessors, processors_for, with_prefix
 from .sampling import draw, log_softmax, plain_sampler, warp
 from .verify import greedy_accept, lossless_accept
@@ -35,12 +35,17 @@ def generate(
     spec: SpecConfig = SpecConfig(),
     prefill_step: int = PREFILL_STEP,
     prefix_cache: Optional[PrefixCache] = None,
+    boundaries: Sequence[int] = (),
+    until: Optional[Callable[[], Optional[str]]] = None,
 ) -> Iterator[Event]:
     """Generate from `prompt` token ids; drafts with the MTP head unless off or headless.
 
-    With a `prefix_cache`, the longest cached prefix of the prompt is not prefilled again, and the
-    state after this generation is kept for a later prompt that extends it (the next chat turn).
-    A generation closed before its Done event keeps nothing: its caches are simply dropped.
+    With a `prefix_cache`, the longest reusable prefix of the prompt is not prefilled again;
+    prefill is cut at `boundaries` (positions where later prompts may part from this one, e.g.
+    where each chat message starts) and at the end of the prompt to checkpoint there, and the
+    state after this generation is kept, settled to exactly the tokens the consumer received,
+    whether it ends at EOS or max_tokens, when `until` returns a finish reason after a token (a
+    stop string, a cancel), or when the consumer closes the generator. Not when the engine raised.
     """
     if len(prompt) == 0:
         raise DynoError("the prompt is empty")
@@ -50,40 +55,56 @@ def generate(
         runner = Speculator(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab)
     else:
         runner = PlainRun(lm, params, prefill_step)
-    resume = prefix_cache.take(prompt, with_head=drafting) if prefix_cache is not None else None
-    done = yield from _until_stop(
-        runner.run(prompt, resume), lm.eos_token_ids, params.max_tokens, len(prompt),
-        len(resume) if resume else 0,
-    )
+    resume, cuts = None, []
     if prefix_cache is not None:
-        prefix_cache.put(runner.snapshot(done.generated_tokens))
-    yield done
-
-
-def _until_stop(steps, eos: set, max_tokens: int, n_prompt: int, reused: int) -> Generator[Event, None, Done]:
-    """Cut the token stream at EOS or max_tokens and time it; returns the Done event."""
+        resume = prefix_cache.take(prompt, head_layers=len(lm.head.layers) if drafting else 0)
+        cuts = prefix_cache.plan(len(prompt), boundaries, len(resume) if resume else 0)
+    steps = runner.run(prompt, resume, cuts)
+    eos = lm.eos_token_ids
     start = time.perf_counter()
     first_at = last_at = None
     n = 0
     reason = "length"
-    for event in steps:
-        if isinstance(event, Round):
+    try:
+        for event in steps:
+            if isinstance(event, Round):
+                yield event
+                continue
+            now = time.perf_counter()
+            first_at = first_at or now
+            last_at = now
+            n += 1
             yield event
-            continue
-        now = time.perf_counter()
-        first_at = first_at or now
-        last_at = now
-        n += 1
-        yield event
-        if event.id in eos:
-            reason = "stop"
-            break
-        if n >= max_tokens:
-            break
+            if event.id in eos:
+                reason = "stop"
+                break
+            if n >= params.max_tokens:
+                break
+            if until is not None and (why := until()) is not None:
+                reason = why
+                break
+    except GeneratorExit:  # the consumer stopped at a token: the caches are consistent there
+        steps.close()
+        if prefix_cache is not None and n:
+            prefix_cache.put(runner.snapshot(n))
+        raise
+    steps.close()
     prefill = (first_at or start) - start
     decode = (last_at or start) - (first_at or start)
-    steps.close()
-    return Done(reason, n_prompt, n, prefill, decode, reused)
+    if prefix_cache is not None:
+        prefix_cache.put(runner.snapshot(n))
+    yield Done(reason, len(prompt), n, prefill, decode, len(resume) if resume else 0)
+
+
+def segments(start: int, stop: int, cuts: Sequence[int], step: int) -> Iterator[Tuple[int, int]]:
+    """Prefill chunks covering [start, stop): ending at every cut, at most `step` long, counted from
+    the last cut, so a prompt resumed at a cut is chunked from there as a cold run chunks it."""
+    s = start
+    for end in [c for c in cuts if start < c < stop] + [stop]:
+        while s < end:
+            e = min(s + step, end)
+            yield s, e
+            s = e
 
 
 class PlainRun:
@@ -93,16 +114,29 @@ class PlainRun:
         self.model, self.params, self.prefill_step, self.vocab = lm.model, params, prefill_step, lm.vocab_size
         self.cache: List = []
         self.fed: List[int] = []  # every token the cache holds
+        self.checkpoints: Dict[int, Checkpoint] = {}
 
-    def run(self, prompt: List[int], resume: Optional[PrefixEntry] = None) -> Iterator[Token]:
-        """Tokens from generate_step, continuing from `resume`'s trunk cache when given."""
+    def run(self, prompt: List[int], resume: Optional[Resume] = None, cuts: Sequence[int] = ()) -> Iterator[Token]:
+        """Tokens from generate_step, continuing from `resume`'s trunk cache when given.
+
+        With `cuts`, the prompt up to the last cut is prefilled here (mlx-lm's calls, cut there)
+        and checkpointed at each cut; generate_step takes the rest.
+        """
         p = self.params
         if p.seed is not None:
             mx.random.seed(p.seed)
         sampler = plain_sampler(p, self.vocab)
         start = len(resume) if resume else 0
         self.cache = resume.trunk_cache if resume else make_prompt_cache(self.model)
+        self.checkpoints = dict(resume.checkpoints) if resume else {}
         self.fed = list(prompt)
+        cuts = [c for c in cuts if start < c < len(prompt)]
+        for s, e in segments(start, cuts[-1] if cuts else start, cuts, self.prefill_step):
+            self.model(mx.array(prompt[s:e])[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            if e in cuts:
+                self.checkpoints[e] = Checkpoint(e, owned(recurrent_state(self.cache)))
+        start = cuts[-1] if cuts else start
         for token, _ in generate_step(
             mx.array(prompt[start:]), self.model, max_tokens=-1, sampler=sampler,
             logits_processors=with_prefix(processors_for(p), prompt[:start]),
@@ -113,7 +147,7 @@ class PlainRun:
 
     def snapshot(self, emitted: int) -> PrefixEntry:
         """The cache for reuse; generate_step feeds each token before yielding it, so it holds all."""
-        return PrefixEntry(tuple(self.fed), self.cache)
+        return PrefixEntry(tuple(self.fed), self.cache, checkpoints=self.checkpoints)
 
 
 def local_outcome(next_token: mx.array, n_accepted: Optional[mx.array] = None,
@@ -130,6 +164,7 @@ class LastPass(NamedTuple):
     tapes: List[GDNTape]  # what its GDN layers saw (empty after prefill: nothing to roll back)
     hidden: mx.array  # [1, T, H] trunk hiddens of the tokens it fed
     committed: int  # how many of those tokens were kept
+    before: Optional[mx.array] = None  # [1, 1, H] trunk hidden of the token before its first one
 
 
 class Speculator:
@@ -152,6 +187,7 @@ class Speculator:
         self.head_hidden: Optional[mx.array] = None  # head output of the last committed row: drafts start here
         self.pending: Optional[mx.array] = None  # the token emitted but not yet fed to the trunk
         self.last_pass: Optional[LastPass] = None
+        self.checkpoints: Dict[int, Checkpoint] = {}  # inherited from the resumed entry, and taken at cuts
 
     def _split(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -178,29 +214,36 @@ class Speculator:
             return rows
         return self.processors.rows(rows, self._history(), drafts)
 
-    def prefill(self, prompt: List[int], resume: Optional[PrefixEntry] = None):
+    def prefill(self, prompt: List[int], resume: Optional[Resume] = None, cuts: Sequence[int] = ()):
         """Trunk over the prompt in mlx-lm's chunks, the head one row behind; returns t_n.
 
-        `resume` holds caches that already consumed the prompt's first len(resume) tokens.
+        `resume` holds caches that already consumed the prompt's first len(resume) tokens; at each
+        of `cuts` a chunk ends and the recurrent state is checkpointed.
         """
         tokens = mx.array(prompt)
         n = len(prompt)
         start = 0
+        self.checkpoints = {}
         if resume is not None:
             start = len(resume)
             self.trunk_cache, self.head_cache = resume.trunk_cache, resume.head_cache
-            self._head(tokens[start : start + 1], resume.last_hidden)  # the row it left open
-        for s in range(start, n - 1, self.prefill_step):
-            e = min(s + self.prefill_step, n - 1)
+            self.checkpoints = dict(resume.checkpoints)
+            if resume.hidden is not None:
+                self._head(tokens[start : start + 1], resume.hidden)  # the row it left open
+        hidden = resume.hidden if resume is not None else None
+        for s, e in segments(start, n - 1, cuts, self.prefill_step):
             hidden = self.target.hidden(tokens[None, s:e], self.trunk_cache)
             self._head(tokens[s + 1 : e + 1], hidden)  # row p = (t_{p+1}, h_p)
             mx.eval([c.state for c in self.trunk_cache + self.head_cache])
+            if e in cuts:
+                self.checkpoints[e] = Checkpoint(e, owned(recurrent_state(self.trunk_cache)), mx.array(hidden[:, -1:]))
+        before = hidden[:, -1:] if hidden is not None else None  # h_{n-2}, when this run computed it
         hidden = self.target.hidden(tokens[None, n - 1 :], self.trunk_cache)
         first, _ = self._pick_target(self._process(self.target.lm_head(hidden[:, -1])))
         first = mx.array([self.outcome(first)[0]], dtype=first.dtype)
         self.head_hidden = self._head(first, hidden)[:, -1:]  # row n-1 drafts position n+1
         self.pending = first
-        self.last_pass = LastPass([], hidden[:, -1:], 1)
+        self.last_pass = LastPass([], hidden[:, -1:], 1, before)
         return first
 
     def _pick_target(self, logits: mx.array):
@@ -256,14 +299,16 @@ class Speculator:
         self.head_hidden = self._head(committed, hidden[:, : a + 1])[:, -1:]
         mx.async_eval(self.head_hidden)  # and the committed head rows while the caller handles this round
         self.pending = nxt
-        self.last_pass = LastPass(tapes, hidden, a + 1)
+        last = self.last_pass
+        self.last_pass = LastPass(tapes, hidden, a + 1, last.hidden[:, last.committed - 1 : last.committed])
         self.generated += accepted + [next_id]
         return accepted, next_id
 
-    def run(self, prompt: List[int], resume: Optional[PrefixEntry] = None) -> Iterator[Union[Token, Round]]:
+    def run(self, prompt: List[int], resume: Optional[Resume] = None,
+            cuts: Sequence[int] = ()) -> Iterator[Union[Token, Round]]:
         """Prefill (after `resume`'s prefix, if any), then rounds until the consumer stops iterating."""
         self.prompt = list(prompt)
-        self.generated = [self.prefill(self.prompt, resume).item()]
+        self.generated = [self.prefill(self.prompt, resume, cuts).item()]
         yield Token(self.generated[0], Provenance.PLAIN)
         while True:
             accepted, nxt = self.step()
@@ -275,15 +320,18 @@ class Speculator:
     def snapshot(self, emitted: int) -> PrefixEntry:
         """The caches settled to the prompt and the first `emitted` tokens minus the last.
 
-        The consumer may stop inside a round (EOS or max_tokens before its last token), leaving
-        the trunk with committed tokens nobody received. The last emitted token stays out, as the
-        pending token always does.
+        The consumer may stop inside a round (EOS, max_tokens or a stop before its last token, or
+        right after its Round event), leaving the trunk with committed tokens nobody received. The
+        last emitted token stays out, as the pending token always does.
         """
-        tapes, hidden, committed = self.last_pass
+        tapes, hidden, committed, before = self.last_pass
         keep = committed - (len(self.generated) - emitted)  # of the last pass's tokens
         # The caches hold `committed` tokens of that pass; the tapes restore any prefix of it.
         rollback(self.trunk_cache, tapes, fed=committed, consumed=keep)
         tokens = tuple(self.prompt + self.generated[: emitted - 1])
         for c in self.head_cache:  # one row short: that row pairs the last position with the next token
             c.trim(c.offset - (len(tokens) - 1))
-        return PrefixEntry(tokens, self.trunk_cache, self.head_cache, hidden[:, keep - 1 : keep])
+        last_hidden = hidden[:, keep - 1 : keep] if keep else before
+        head = self.head_cache if last_hidden is not None else None  # no hidden: its open row cannot be built
+        return PrefixEntry(tokens, self.trunk_cache, head, last_hidden,
+                           {p: cp for p, cp in self.checkpoints.items() if p < len(tokens)})

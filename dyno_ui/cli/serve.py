@@ -17,6 +17,15 @@ def add_command(sub) -> None:
     p.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help="max_tokens for requests that do not set it (default: %(default)s)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the Gradio playground at /ui")
+    p.add_argument("--prompt-cache-bytes", metavar="SIZE",
+                   help="memory kept for reusing earlier prompts' states, e.g. 8GB, 512MiB, 0 for none "
+                        "(default: 1/8 of the machine's memory)")
+    p.add_argument("--prompt-cache-dir", metavar="DIR",
+                   help="keep prompt states evicted from memory, and on shutdown the live ones, as files in DIR, "
+                        "reused after a restart (default: none)")
+    p.add_argument("--prompt-cache-disk-bytes", metavar="SIZE",
+                   help="the most DIR may hold for this model (default: half the free space, at most 4x the "
+                        "default memory budget)")
     add_access_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -24,7 +33,9 @@ def add_command(sub) -> None:
 def options_from(args) -> ServeOptions:
     return ServeOptions(model=model_options(args), host=args.host, port=args.port,
                         decode_concurrency=args.decode_concurrency, max_tokens_default=args.max_tokens_default,
-                        ui=not args.no_ui, **access_options(args))
+                        ui=not args.no_ui, prompt_cache_bytes=args.prompt_cache_bytes,
+                        prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
+                        **access_options(args))
 
 
 def cmd_serve(args) -> int:

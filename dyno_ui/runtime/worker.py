@@ -7,13 +7,16 @@ for the engine's own events (`trace`: tokens with provenance, rounds) and runs o
 (loading another model, reading memory) on this thread through `call`.
 
 Serial mode (decode concurrency 1) runs one request at a time through the engine, drafting with
-the MTP head when there is one, and keeps prefix caches for multi-turn reuse. Batched mode hands
-concurrent requests to mlx-lm's BatchGenerator, which does not draft.
+the MTP head when there is one. Batched mode hands concurrent requests to mlx-lm's BatchGenerator,
+which does not draft. Both reuse earlier prompts' states through one prompt cache
+(speculative/prefix_cache.py), bounded in bytes, with an optional disk tier that outlives the
+process; prefill is cut (and checkpointed) where chat messages start.
 """
 
 import gc
 from concurrent.futures import Future
 import logging
+from pathlib import Path
 import queue
 import threading
 import time
@@ -28,11 +31,13 @@ from speculative.engine import generate
 from speculative.errors import one_line
 from speculative.events import Done, Provenance, Token
 from speculative.loader import LoadedModel
-from speculative.prefix_cache import PrefixCache
+from speculative.prefix_cache import Checkpoint, PrefixCache, entry_from, owned, recurrent_state
+from speculative.prefix_disk import prompt_store
 from speculative.processors import processors_for
 from speculative.sampling import plain_sampler
 from speculative.stats import GenerationStats
 
+from .boundaries import message_marker, message_starts
 from .metrics import Outcome, ServerMetrics
 from .outputs import Failed, Finished, Traced
 from .textstream import TextAssembler
@@ -73,6 +78,9 @@ class Job:
     trace: bool = False  # also send Traced engine events (before the text of each token)
     lm: Optional[LoadedModel] = None  # the model the request was checked against; must be the one served
     error: Optional[Exception] = None  # set when its sampler, processors or output raised inside a batch
+    reused: int = 0  # batched: prompt tokens taken from the prompt cache
+    checkpoints: Dict[int, Checkpoint] = field(default_factory=dict)  # batched: states its entry will keep
+    cuts: List[int] = field(default_factory=list)  # batched: where its prefill stops to checkpoint
 
     def cancel(self) -> None:
         """Ask the worker to stop this job at the next round (or drop it if it has not started)."""
@@ -90,11 +98,15 @@ class EngineWorker:
     """Owns the model on its own thread and serves submitted jobs."""
 
     def __init__(self, load: Callable[[], Tuple[LoadedModel, SpecConfig]], decode_concurrency: int = 1,
-                 prefix_cache_entries: int = 4):
+                 prompt_cache_bytes: Optional[int] = None, prompt_cache_dir: Optional[Path] = None,
+                 prompt_cache_disk_bytes: Optional[int] = None):
         self.load = load  # runs on the engine thread: loading and depth tuning are MLX work too
         self.spec = SpecConfig()
         self.concurrency = decode_concurrency
-        self.prefix_cache = PrefixCache(prefix_cache_entries)
+        # The prompt cache: made for each model once it is loaded (its disk folder is per model).
+        self.prompt_cache_options = (prompt_cache_bytes, prompt_cache_dir, prompt_cache_disk_bytes)
+        self.prefix_cache: Optional[PrefixCache] = None
+        self.marker: Optional[int] = None  # the token that starts each chat message (boundaries.py)
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.lm: Optional[LoadedModel] = None
         self.metrics: Optional[ServerMetrics] = None  # made once the model says whether we draft
@@ -153,8 +165,9 @@ class EngineWorker:
 
         def swap():
             lm, spec = load()
-            self.prefix_cache.clear()  # its entries belong to the old model
+            self.prefix_cache.close()  # its entries belong to the old model (to disk, if kept there)
             self.lm, self.spec, self.eos = lm, spec, lm.eos_token_ids
+            self._new_prompt_cache()
             self.metrics.set_draft_depth(spec.draft_depth if self.drafting else None)
             gc.collect()
             return lm
@@ -182,7 +195,11 @@ class EngineWorker:
             for job in self.running.values():  # only if the loop itself died: no job goes unanswered
                 self._fail(job, "the engine stopped", 503)
             self._answer_queued()
-            self.prefix_cache.clear()
+            if self.prefix_cache is not None:
+                try:
+                    self.prefix_cache.close()  # live entries to the disk tier, if any
+                except Exception:
+                    log.exception("cannot save the prompt cache")
             # MLX's rule for threads: free this thread's arrays and streams before it ends, or the
             # process may abort at exit ("terminate called without an active exception").
             mx.clear_streams()
@@ -193,6 +210,7 @@ class EngineWorker:
             self.lm, self.spec = self.load()
             self.eos = self.lm.eos_token_ids
             self.metrics = ServerMetrics(self.spec.draft_depth if self.drafting else None)
+            self._new_prompt_cache()
             return True
         except BaseException as e:
             # Without its traceback: its frames hold what the failed load built, to be freed here.
@@ -203,6 +221,11 @@ class EngineWorker:
             return False
         finally:
             self._ready.set()
+
+    def _new_prompt_cache(self) -> None:
+        memory, folder, disk = self.prompt_cache_options
+        self.prefix_cache = prompt_store(self.lm, memory, folder, disk, notify=log.warning)
+        self.marker = message_marker(self.lm.tokenizer)
 
     def _answer_queued(self) -> None:
         """Once the thread stops taking work: every job still queued gets an error, every call one too."""
@@ -257,7 +280,8 @@ class EngineWorker:
         if spec.mode == "off" or self.lm.head is None:
             spec = SpecConfig("off", spec.draft_depth)
         job.stats = GenerationStats(draft_depth=spec.draft_depth)
-        events = generate(self.lm, job.prompt, job.params, spec, prefix_cache=self.prefix_cache)
+        events = generate(self.lm, job.prompt, job.params, spec, prefix_cache=self.prefix_cache,
+                          boundaries=message_starts(job.prompt, self.marker), until=lambda: self._until(job))
         reason = "cancelled"
         try:
             for event in events:
@@ -266,19 +290,23 @@ class EngineWorker:
                 job.stats.add(event)
                 if isinstance(event, Token):
                     self._on_token(job, event.id)
-                    if job.text.stopped:
-                        reason = "stop"
-                        break
                 elif isinstance(event, Done):
                     reason = event.finish_reason
-                if job.cancelled.is_set() or self._closing.is_set():  # before the next round
-                    break
         finally:
-            events.close()
+            events.close()  # (if its output raised: the engine still keeps the state it reached)
         if reason == "cancelled" and self._closing.is_set() and not job.cancelled.is_set():
             self._fail(job, STOPPED, 503)  # cut by shutdown, not by its client: say so, not a finish
         else:
             self._finish(job, reason)
+
+    def _until(self, job: Job) -> Optional[str]:
+        """Why the engine should end `job` after its latest token: a stop string, a cancel (its
+        client's or the server's shutdown), or None to go on. The engine keeps the state it reached."""
+        if job.text.stopped:
+            return "stop"
+        if job.cancelled.is_set() or self._closing.is_set():
+            return "cancelled"
+        return None
 
     def _on_token(self, job: Job, token: int) -> None:
         job.first_token_at = job.first_token_at or time.perf_counter()
@@ -325,12 +353,12 @@ class EngineWorker:
                 break
             for uid, job in list(active.items()):
                 if job.cancelled.is_set():
-                    batch.remove([uid])
-                    self._finish(active.pop(uid), "cancelled")
+                    self._keep_batched(job, batch.remove([uid], return_prompt_caches=True).get(uid))
+                    self._finish_batched(active.pop(uid), "cancelled")
             if not active:
                 continue
             try:
-                responses = batch.next_generated()
+                responses = self._next_generated(batch, active)
             except Exception as e:  # not attributable to one request: fail the batch, keep serving
                 log.exception("batched generation failed")
                 for job in active.values():
@@ -362,10 +390,37 @@ class EngineWorker:
         self._on_token(job, r.token)
         reason = r.finish_reason or ("stop" if job.text.stopped else None)
         if reason is not None:
-            if r.finish_reason is None:
-                batch.remove([r.uid])
+            if r.finish_reason is None:  # a stop string: the batch gives back the state it reached
+                self._keep_batched(job, batch.remove([r.uid], return_prompt_caches=True).get(r.uid))
+            else:
+                self._keep_batched(job, (r.prompt_cache, r.all_tokens))
             self._finish_batched(job, reason)
             del active[r.uid]  # only once finished: if finishing raised, the caller fails it
+
+    def _next_generated(self, batch: BatchGenerator, active: Dict[int, Job]) -> list:
+        """The batch's next generated tokens (BatchGenerator.next_generated), checkpointing each
+        job whose prefill reached one of its cuts on the way."""
+        while True:
+            prompt_responses, generated = batch.next()
+            ends = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt and r.uid in active]
+            try:
+                for uid, (cache, tokens) in batch.extract_cache(ends).items() if ends else ():
+                    if (at := len(tokens)) in active[uid].cuts:  # (the batch also stops before the last token)
+                        active[uid].checkpoints[at] = Checkpoint(at, owned(recurrent_state(cache)))
+            except Exception:  # a checkpoint less; the requests go on
+                log.exception("cannot checkpoint a batched prompt")
+            if generated or not prompt_responses:
+                return generated
+
+    def _keep_batched(self, job: Job, state) -> None:
+        """Keep a batch row's final (cache, tokens) in the prompt cache, with its checkpoints."""
+        if state is None or self.prefix_cache is None:
+            return
+        cache, tokens = state
+        try:
+            self.prefix_cache.put(entry_from(tokens, [_own_cache(c) for c in cache], job.checkpoints))
+        except Exception:  # the answer matters more than keeping its state
+            log.exception("cannot keep a batched request's state")
 
     def _new_batch(self) -> BatchGenerator:
         n = self.concurrency
@@ -391,14 +446,22 @@ class EngineWorker:
                 mx.random.seed(p.seed)
             job.stats = GenerationStats()
             job.started_at = time.perf_counter()
+            resume = None
             try:
-                (uid,) = batch.insert(
-                    [job.prompt], max_tokens=[p.max_tokens],
+                resume = self.prefix_cache.take(job.prompt)  # copies, or caches handed over: the batch merges them
+                at = len(resume) if resume else 0
+                cuts = self.prefix_cache.plan(len(job.prompt), message_starts(job.prompt, self.marker), at)
+                job.reused, job.checkpoints, job.cuts = at, dict(resume.checkpoints) if resume else {}, cuts
+                (uid,) = batch.insert_segments(
+                    [_split(job.prompt, at, cuts)], max_tokens=[p.max_tokens],
+                    caches=[resume.trunk_cache if resume else None], all_tokens=[job.prompt[:at]],
                     samplers=[guarded(plain_sampler(p, self.lm.vocab_size), job, greedy_row)],
                     logits_processors=[[guarded(f, job, unchanged) for f in processors_for(p)]],
                 )
             except Exception as e:  # this request alone is refused; the batch goes on
                 log.exception("cannot add a request to the batch")
+                if resume is not None:
+                    self._keep_batched(job, (resume.trunk_cache, job.prompt[: len(resume)]))
                 self._fail(job, failure(e))
                 continue
             active[uid] = job
@@ -406,8 +469,24 @@ class EngineWorker:
     def _finish_batched(self, job: Job, reason: str) -> None:
         now = time.perf_counter()
         first = job.first_token_at or now
-        job.stats.add(Done(reason, len(job.prompt), len(job.stats.tokens), first - job.started_at, now - first))
+        job.stats.add(Done(reason, len(job.prompt), len(job.stats.tokens), first - job.started_at, now - first,
+                           job.reused))
         self._finish(job, reason)
+
+
+def _split(prompt: List[int], start: int, cuts: List[int]) -> List[List[int]]:
+    """The prompt after `start` as segments ending at the cuts (the batch stops at each)."""
+    points = [start, *cuts, len(prompt)]
+    return [prompt[a:b] for a, b in zip(points, points[1:]) if b > a]
+
+
+def _own_cache(cache):
+    """A batch row's extracted attention layer with rows of its own (a row's slice would keep the
+    whole batch's alive); the prompt cache copies recurrent layers itself."""
+    if hasattr(cache, "offset") and cache.keys is not None:
+        cache.keys = mx.array(cache.keys[..., : cache.offset, :])
+        cache.values = mx.array(cache.values[..., : cache.offset, :])
+    return cache
 
 
 def failure(error: BaseException) -> str:

@@ -121,7 +121,9 @@ def run(options: ServeOptions) -> int:
         depth = resolve_depth(lm, m.draft_depth) if lm.head is not None else SpecConfig().draft_depth
         return lm, SpecConfig(mode, depth, m.draft_vocab)
 
-    worker = EngineWorker(load, decode_concurrency=options.decode_concurrency)
+    worker = EngineWorker(load, decode_concurrency=options.decode_concurrency,
+                          prompt_cache_bytes=options.prompt_cache_bytes, prompt_cache_dir=options.prompt_cache_dir,
+                          prompt_cache_disk_bytes=options.prompt_cache_disk_bytes)
     lm = worker.start()  # notices were printed while loading
     served = ServedModel(id=lm.path.name, lm=lm, worker=worker, default_max_tokens=options.max_tokens_default,
                          created=int(time.time()), names=options.served_model_names)
