@@ -71,6 +71,9 @@ class ServeOptions:
             raise DynoError(f"--decode-concurrency must be at least 1, got {self.decode_concurrency}")
         if self.max_tokens_default < 1:
             raise DynoError(f"--max-tokens-default must be at least 1, got {self.max_tokens_default}")
+        if self.model.distributed and self.batched:
+            raise DynoError("--distributed decodes one request at a time across the ranks; "
+                            "drop --decode-concurrency")
         if self.model.speculative == "mtp" and self.batched:
             raise DynoError("--speculative mtp drafts one request at a time; with --decode-concurrency above 1 "
                             "requests are batched without drafts (use --speculative auto or off)")

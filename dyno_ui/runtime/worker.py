@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from speculative.config import SamplingParams, SpecConfig
+from speculative import distributed
 from speculative.engine import generate
 from speculative.errors import one_line
 from speculative.events import Done, Provenance, Token
@@ -200,6 +201,8 @@ class EngineWorker:
                     self.prefix_cache.close()  # live entries to the disk tier, if any
                 except Exception:
                     log.exception("cannot save the prompt cache")
+            if self.lm is not None and self.lm.ranks is not None:
+                distributed.release(self.lm)  # the other ranks return from following this one
             # MLX's rule for threads: free this thread's arrays and streams before it ends, or the
             # process may abort at exit ("terminate called without an active exception").
             mx.clear_streams()
@@ -280,8 +283,12 @@ class EngineWorker:
         if spec.mode == "off" or self.lm.head is None:
             spec = SpecConfig("off", spec.draft_depth)
         job.stats = GenerationStats(draft_depth=spec.draft_depth)
-        events = generate(self.lm, job.prompt, job.params, spec, prefix_cache=self.prefix_cache,
-                          boundaries=message_starts(job.prompt, self.marker), until=lambda: self._until(job))
+        split = self.lm.ranks is not None  # across mx.distributed ranks: rank 0's engine leads the others
+        if split:  # no prompt cache; closing the stream after a stop or cancel halts every rank
+            events = distributed.generate(self.lm, job.prompt, job.params, spec)
+        else:
+            events = generate(self.lm, job.prompt, job.params, spec, prefix_cache=self.prefix_cache,
+                              boundaries=message_starts(job.prompt, self.marker), until=lambda: self._until(job))
         reason = "cancelled"
         try:
             for event in events:
@@ -290,6 +297,9 @@ class EngineWorker:
                 job.stats.add(event)
                 if isinstance(event, Token):
                     self._on_token(job, event.id)
+                    if split and (why := self._until(job)):
+                        reason = why
+                        break
                 elif isinstance(event, Done):
                     reason = event.finish_reason
         finally:

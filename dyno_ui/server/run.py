@@ -21,9 +21,11 @@ def describe(worker) -> str:
     """How requests are decoded, for the startup line."""
     if worker.concurrency > 1:
         return f"batched decoding of up to {worker.concurrency} requests, no drafting"
+    ranks = worker.lm.ranks if worker.lm is not None else None
+    split = f", {ranks.strategy} across {ranks.size} ranks" if ranks is not None else ""
     if worker.drafting:
-        return f"MTP drafting, depth {worker.spec.draft_depth}"
-    return "plain decoding, no drafting"
+        return f"MTP drafting, depth {worker.spec.draft_depth}{split}"
+    return f"plain decoding, no drafting{split}"
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -114,15 +116,23 @@ def run(options: ServeOptions) -> int:
     path = m.model or default_model()
     mode = "off" if options.batched else m.speculative  # batched decoding never drafts: skip the head
     notify = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    split = Split(m.distributed) if m.distributed else None
+    if split is not None and not split.leader:
+        return split.follow(path, m)  # this rank serves nothing: it runs rank 0's rounds until released
 
     def load():
+        if split is not None:
+            lm = split.load(path, m, notify)
+            return lm, SpecConfig(mode, split.depth(lm, m.draft_depth), m.draft_vocab)
         lm = load_model(path, mode=mode, mtp_head=m.mtp_head, mtp_base=m.mtp_base, notify=notify,
                         head_bits=m.mtp_head_bits)
         depth = resolve_depth(lm, m.draft_depth) if lm.head is not None else SpecConfig().draft_depth
         return lm, SpecConfig(mode, depth, m.draft_vocab)
 
+    # Split across ranks: no prompt cache (each rank's store would evict by its own shard's bytes).
     worker = EngineWorker(load, decode_concurrency=options.decode_concurrency,
-                          prompt_cache_bytes=options.prompt_cache_bytes, prompt_cache_dir=options.prompt_cache_dir,
+                          prompt_cache_bytes=0 if split else options.prompt_cache_bytes,
+                          prompt_cache_dir=None if split else options.prompt_cache_dir,
                           prompt_cache_disk_bytes=options.prompt_cache_disk_bytes)
     lm = worker.start()  # notices were printed while loading
     served = ServedModel(id=lm.path.name, lm=lm, worker=worker, default_max_tokens=options.max_tokens_default,
@@ -130,7 +140,7 @@ def run(options: ServeOptions) -> int:
     sock = listen(options.host, options.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    ui = options.ui and worker.concurrency == 1
+    ui = options.ui and worker.concurrency == 1 and split is None  # its Models tab would swap one rank's model
     ui_front = ui and options.ui_front
     app = make_app(served, ui=ui, ui_front=ui_front, options=options)
     for line in open_warning(options.host, options.api_key):
@@ -154,3 +164,38 @@ def run(options: ServeOptions) -> int:
     finally:
         worker.close(timeout=5)
     return 0
+
+
+class Split:
+    """`--distributed`: this process is one rank of an `mlx.launch` group. Rank 0 serves HTTP with
+    the engine thread generating across the group; the other ranks follow its rounds."""
+
+    def __init__(self, strategy: str):
+        from speculative import distributed
+
+        self.distributed, self.strategy = distributed, strategy
+        self.watchdog = distributed.Watchdog()
+        self.group = distributed.init_group(watchdog=self.watchdog)
+        self.leader = self.group.rank() == 0
+
+    def load(self, path, m, notify=None):
+        return self.distributed.load_sharded(path, self.strategy, self.group, watchdog=self.watchdog,
+                                             mode=m.speculative, mtp_head=m.mtp_head, mtp_base=m.mtp_base,
+                                             head_bits=m.mtp_head_bits, notify=notify)
+
+    @staticmethod
+    def depth(lm, requested) -> int:
+        """No cost-model estimate for `auto`: its timing runs would be collectives on rank 0 alone."""
+        from speculative.config import DEFAULT_DRAFT_DEPTH
+        from speculative.tuning import stored
+
+        if requested != "auto":
+            return int(requested)
+        return int((stored(lm) or {}).get("depth", DEFAULT_DRAFT_DEPTH))
+
+    def follow(self, path, m) -> int:
+        try:
+            self.distributed.follow(self.load(path, m))
+            return 0
+        finally:
+            self.watchdog.close()
