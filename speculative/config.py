@@ -13,6 +13,7 @@ MODES = ("auto", "mtp", "off")
 MAX_DRAFT_DEPTH = 8
 DEFAULT_DRAFT_DEPTH = 3
 PENALTY_CONTEXT = 20  # mlx-lm's default window for repetition/presence/frequency penalties
+MAX_LOGPROBS = 20  # top alternatives a token's log-probabilities may list (OpenAI's limit)
 SEED_RANGE = 2**64  # mx.random.seed and mx.random.key take an unsigned 64-bit integer
 
 
@@ -37,6 +38,9 @@ class SamplingParams:
     frequency_context_size: int = PENALTY_CONTEXT
     # Structured output (constraints.py): a grammar mask, also a function of the generated tokens.
     constraint: Optional["Constraint"] = None
+    # Log-probabilities on each Token event (events.TokenLogprobs): None or -1 for none, else the
+    # number of top alternatives with each (0 for the emitted token's alone; at most MAX_LOGPROBS).
+    logprobs: Optional[int] = None
 
     def __post_init__(self):
         def bad(what):
@@ -75,6 +79,11 @@ class SamplingParams:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not -1 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be an integer from -1 to {MAX_LOGPROBS}, got {self.logprobs!r}")
+        if self.logprobs == -1:
+            object.__setattr__(self, "logprobs", None)
         if self.constraint is not None:
             from .constraints import Constraint  # already loaded: the caller made one
 

@@ -21,7 +21,7 @@ from .events import Done, Provenance, Round, Token
 from .loader import LoadedModel
 from .prefix_cache import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
 from .processors import PrefixProcessors, processors_for, with_prefix
-from .sampling import draw, log_softmax, plain_sampler, warp
+from .sampling import draw, log_softmax, plain_sampler, scored, warp
 from .verify import greedy_accept, lossless_accept
 
 Event = Union[Token, Round, Done]
@@ -137,13 +137,13 @@ class PlainRun:
             if e in cuts:
                 self.checkpoints[e] = Checkpoint(e, owned(recurrent_state(self.cache)))
         start = cuts[-1] if cuts else start
-        for token, _ in generate_step(
+        for token, logprobs in generate_step(
             mx.array(prompt[start:]), self.model, max_tokens=-1, sampler=sampler,
             logits_processors=with_prefix(processors_for(p), prompt[:start]),
             prompt_cache=self.cache, prefill_step_size=self.prefill_step,
         ):
             self.fed.append(int(token))
-            yield Token(int(token), Provenance.PLAIN)
+            yield Token(int(token), Provenance.PLAIN, *scored(logprobs, [int(token)], p.logprobs))
 
     def snapshot(self, emitted: int) -> PrefixEntry:
         """The cache for reuse; generate_step feeds each token before yielding it, so it holds all."""
@@ -188,6 +188,8 @@ class Speculator:
         self.pending: Optional[mx.array] = None  # the token emitted but not yet fed to the trunk
         self.last_pass: Optional[LastPass] = None
         self.checkpoints: Dict[int, Checkpoint] = {}  # inherited from the resumed entry, and taken at cuts
+        # Per emitted token of the latest prefill or step, its TokenLogprobs (None when not asked for).
+        self.scores: List = []
 
     def _split(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -239,12 +241,20 @@ class Speculator:
                 self.checkpoints[e] = Checkpoint(e, owned(recurrent_state(self.trunk_cache)), mx.array(hidden[:, -1:]))
         before = hidden[:, -1:] if hidden is not None else None  # h_{n-2}, when this run computed it
         hidden = self.target.hidden(tokens[None, n - 1 :], self.trunk_cache)
-        first, _ = self._pick_target(self._process(self.target.lm_head(hidden[:, -1])))
-        first = mx.array([self.outcome(first)[0]], dtype=first.dtype)
+        logits = self._process(self.target.lm_head(hidden[:, -1]))
+        first, _ = self._pick_target(logits)
+        first_id = self.outcome(first)[0]
+        first = mx.array([first_id], dtype=first.dtype)
+        self.scores = self._scored(logits, [first_id])
         self.head_hidden = self._head(first, hidden)[:, -1:]  # row n-1 drafts position n+1
         self.pending = first
         self.last_pass = LastPass([], hidden[:, -1:], 1, before)
         return first
+
+    def _scored(self, logits: mx.array, tokens: List[int]):
+        """TokenLogprobs of `tokens`, row i of the processed `logits` for token i (None each when off)."""
+        return scored(log_softmax(logits) if self.params.logprobs is not None else None, tokens,
+                      self.params.logprobs)
 
     def _pick_target(self, logits: mx.array):
         if self.params.greedy:
@@ -291,6 +301,7 @@ class Speculator:
         # would wait for that work to finish.
         next_id, a, drafted = self.outcome(nxt, n_acc, drafts)
         accepted = drafted[:a]
+        self.scores = self._scored(logits, accepted + [next_id])  # rows 0..a: the tokens kept
         rollback(self.trunk_cache, tapes, fed=k + 1, consumed=a + 1)
         for c in self.head_cache:  # drop the recursive rows: committed rows come from trunk hiddens
             c.trim(c.offset - cycle_start)
@@ -309,13 +320,14 @@ class Speculator:
         """Prefill (after `resume`'s prefix, if any), then rounds until the consumer stops iterating."""
         self.prompt = list(prompt)
         self.generated = [self.prefill(self.prompt, resume, cuts).item()]
-        yield Token(self.generated[0], Provenance.PLAIN)
+        yield Token(self.generated[0], Provenance.PLAIN, self.scores[0])
         while True:
             accepted, nxt = self.step()
             yield Round(self.depth, len(accepted))
-            for t in accepted:
-                yield Token(t, Provenance.DRAFT)
-            yield Token(nxt, Provenance.BONUS if len(accepted) == self.depth else Provenance.CORRECTION)
+            for t, score in zip(accepted, self.scores):
+                yield Token(t, Provenance.DRAFT, score)
+            yield Token(nxt, Provenance.BONUS if len(accepted) == self.depth else Provenance.CORRECTION,
+                        self.scores[-1])
 
     def snapshot(self, emitted: int) -> PrefixEntry:
         """The caches settled to the prompt and the first `emitted` tokens minus the last.

@@ -2,6 +2,7 @@
 
 import enum
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 
 class Provenance(enum.Enum):
@@ -19,9 +20,24 @@ class Provenance(enum.Enum):
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """The target model's log-probability of an emitted token and its top alternatives.
+
+    From the log-softmax of the model's logits at that position after the logits processors
+    (penalties, logit bias, a grammar) and before the sampling warp (temperature, top-p, top-k,
+    min-p): what mlx-lm's generate_step yields, and vLLM's default (the processed model
+    distribution). Float32 values; `top` is (token id, log-probability) pairs, most likely first.
+    """
+
+    logprob: float
+    top: Tuple[Tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Token:
     id: int
     provenance: Provenance
+    logprobs: Optional[TokenLogprobs] = None  # only when SamplingParams.logprobs asked for them
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ Plain data with no MLX: the playground's rendering and the APIs' folding import 
 """
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,22 @@ class ToolCallDelta:
     arguments: str
     id: Optional[str] = None
     name: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One delivered token's log-probability (runtime/logprobs.py), sent before that token's text,
+    with its `top` alternatives (each a TokenLogprob without alternatives) when asked for.
+
+    `token` is the token's own bytes decoded (UTF-8, invalid bytes replaced: a token that holds part
+    of a character says so by its `bytes`), so the tokens' strings need not line up with the text
+    deltas, which hold back partial characters and stop strings.
+    """
+
+    token: str
+    bytes: Tuple[int, ...]
+    logprob: float
+    top: Tuple["TokenLogprob", ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,4 +70,4 @@ class Traced:
     at: float  # time.perf_counter()
 
 
-Output = Union[TextDelta, ToolCallDelta, Finished, Failed]
+Output = Union[TextDelta, ToolCallDelta, TokenLogprob, Finished, Failed]

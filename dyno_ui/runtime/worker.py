@@ -30,15 +30,16 @@ from speculative.config import SamplingParams, SpecConfig
 from speculative import distributed
 from speculative.engine import generate
 from speculative.errors import one_line
-from speculative.events import Done, Provenance, Token
+from speculative.events import Done, Provenance, Token, TokenLogprobs
 from speculative.loader import LoadedModel
 from speculative.prefix_cache import Checkpoint, PrefixCache, entry_from, owned, recurrent_state
 from speculative.prefix_disk import prompt_store
 from speculative.processors import processors_for
-from speculative.sampling import plain_sampler
+from speculative.sampling import plain_sampler, scored
 from speculative.stats import GenerationStats
 
 from .boundaries import message_marker, message_starts
+from .logprobs import TokenBytes, described
 from .metrics import Outcome, ServerMetrics
 from .outputs import Failed, Finished, Traced
 from .textstream import TextAssembler
@@ -117,6 +118,7 @@ class EngineWorker:
         self._stopped = False  # set (under _submit_lock) once the thread no longer takes jobs
         self._submit_lock = threading.Lock()
         self._load_error: Optional[BaseException] = None
+        self._token_bytes: Optional[TokenBytes] = None  # for log-probabilities: the served tokenizer's
         self._thread = threading.Thread(target=self._main, name="dyno-engine", daemon=True)
 
     @property
@@ -296,7 +298,7 @@ class EngineWorker:
                     job.send(Traced(event, time.perf_counter()))
                 job.stats.add(event)
                 if isinstance(event, Token):
-                    self._on_token(job, event.id)
+                    self._on_token(job, event.id, event.logprobs)
                     if split and (why := self._until(job)):
                         reason = why
                         break
@@ -318,10 +320,18 @@ class EngineWorker:
             return "cancelled"
         return None
 
-    def _on_token(self, job: Job, token: int) -> None:
+    def _on_token(self, job: Job, token: int, logprobs: Optional[TokenLogprobs] = None) -> None:
+        """A token's log-probabilities (when asked for), then its text; EOS delivers neither."""
         job.first_token_at = job.first_token_at or time.perf_counter()
         if token not in self.eos:
+            if logprobs is not None:
+                job.send(described(self._names(), token, logprobs))
             self._emit(job, job.text.add(token))
+
+    def _names(self) -> TokenBytes:
+        if self._token_bytes is None or self._token_bytes.tokenizer is not self.lm.tokenizer:
+            self._token_bytes = TokenBytes(self.lm.tokenizer)
+        return self._token_bytes
 
     def _emit(self, job: Job, pieces) -> None:
         for piece in pieces:  # TextDelta and ToolCallDelta, from the job's TextAssembler
@@ -396,8 +406,10 @@ class EngineWorker:
     def _deliver(self, batch: BatchGenerator, active: Dict[int, Job], r) -> None:
         """One batch response to its job: its token and text, and its end if it ended."""
         job = active[r.uid]
-        job.stats.add(Token(r.token, Provenance.PLAIN))
-        self._on_token(job, r.token)
+        # r.logprobs: the log-softmax of the row's processed logits, as generate_step's
+        (logprobs,) = scored(r.logprobs, [r.token], job.params.logprobs)
+        job.stats.add(Token(r.token, Provenance.PLAIN, logprobs))
+        self._on_token(job, r.token, logprobs)
         reason = r.finish_reason or ("stop" if job.text.stopped else None)
         if reason is not None:
             if r.finish_reason is None:  # a stop string: the batch gives back the state it reached

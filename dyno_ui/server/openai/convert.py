@@ -4,7 +4,7 @@ The non-streaming response is a fold of the same outputs the stream sends, so th
 same text.
 """
 
-from typing import AsyncIterator, Dict, List, Tuple
+from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from speculative.constraints import constraint_from_response_format
 from speculative.errors import DynoError
@@ -12,7 +12,7 @@ from speculative.errors import DynoError
 from ...runtime import served as runtime
 from ...runtime import tools as runtime_tools
 from ...runtime.errors import ApiError
-from ...runtime.outputs import Failed, Finished, TextDelta, ToolCallDelta
+from ...runtime.outputs import Failed, Finished, TextDelta, TokenLogprob, ToolCallDelta
 from ...runtime.served import ServedModel
 from ...runtime.worker import Job
 from ..streaming import JobStream, sse
@@ -79,6 +79,39 @@ def _failure(item: Failed) -> ApiError:
     return ApiError(item.status, item.message, kind="server_error")
 
 
+# JSON has no -inf (a token a grammar or logit bias excludes); as vLLM, such values are sent as this.
+FLOOR_LOGPROB = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return max(value, FLOOR_LOGPROB)
+
+
+def _wants_logprobs(stream: JobStream) -> bool:
+    return stream.job.params.logprobs is not None
+
+
+def _chat_logprobs(items: List[TokenLogprob]) -> api.ChatLogprobs:
+    """OpenAI's chat logprobs: every token delivered (content, reasoning and tool-call tokens alike)."""
+    return api.ChatLogprobs(content=[api.ChatTokenLogprob(
+        token=t.token, logprob=_logprob(t.logprob), bytes=list(t.bytes),
+        top_logprobs=[api.TopLogprob(token=a.token, logprob=_logprob(a.logprob), bytes=list(a.bytes)) for a in t.top],
+    ) for t in items])
+
+
+def _completion_logprobs(items: List[TokenLogprob], offset: int = 0) -> Tuple[api.CompletionLogprobs, int]:
+    """OpenAI's completions logprobs and the text offset after them; offsets count the tokens'
+    own strings from the start of the completion (`offset` where this chunk starts)."""
+    out = api.CompletionLogprobs()
+    for t in items:
+        out.tokens.append(t.token)
+        out.token_logprobs.append(_logprob(t.logprob))
+        out.top_logprobs.append({a.token: _logprob(a.logprob) for a in t.top})
+        out.text_offset.append(offset)
+        offset += len(t.token)
+    return out, offset
+
+
 def _finish_reason(done: Finished, called: bool) -> str:
     """OpenAI's finish reason: an answer that ended after calling tools ends with "tool_calls"."""
     return "tool_calls" if called and done.finish_reason == "stop" else done.finish_reason
@@ -88,9 +121,12 @@ async def chat_response(stream: JobStream, model: str) -> api.ChatCompletion:
     """The whole chat completion, folded from the job's outputs."""
     parts = {"content": [], "reasoning": []}
     calls: Dict[int, Tuple[str, str, List[str]]] = {}  # index -> (id, name, argument pieces)
+    scores: List[TokenLogprob] = []
     async for item in stream:
         if isinstance(item, TextDelta):
             parts[item.channel].append(item.text)
+        elif isinstance(item, TokenLogprob):
+            scores.append(item)
         elif isinstance(item, ToolCallDelta):
             calls.setdefault(item.index, (item.id, item.name, []))[2].append(item.arguments)
         elif isinstance(item, Failed):
@@ -102,7 +138,8 @@ async def chat_response(stream: JobStream, model: str) -> api.ChatCompletion:
                   for i, name, pieces in (calls[k] for k in sorted(calls))]
     message = api.ChatMessageOut(content=content if content or not tool_calls else None,
                                  reasoning_content=reasoning or None, tool_calls=tool_calls or None)
-    choice = api.ChatChoice(message=message, finish_reason=_finish_reason(done, bool(tool_calls)))
+    choice = api.ChatChoice(message=message, finish_reason=_finish_reason(done, bool(tool_calls)),
+                            logprobs=_chat_logprobs(scores) if _wants_logprobs(stream) else None)
     return api.ChatCompletion(id=api.new_id("chatcmpl"), created=api.now(), model=model, choices=[choice],
                               usage=_usage(done))
 
@@ -119,14 +156,24 @@ async def chat_events(stream: JobStream, model: str, include_usage: bool) -> Asy
     """SSE chunks: the role, content, reasoning and tool-call deltas, the finish reason, usage, [DONE]."""
     rid, created = api.new_id("chatcmpl"), api.now()
     called = False
+    # Token log-probabilities wait for the next chunk (text, a call or the finish): a token's text
+    # may be held back (a partial character, a possible stop string), so they go out no earlier.
+    scores: Optional[List[TokenLogprob]] = [] if _wants_logprobs(stream) else None
 
     def chunk(delta: api.ChatDelta, finish=None, choices=True, usage=None) -> str:
-        choice = [api.ChatChunkChoice(delta=delta, finish_reason=finish)] if choices else []
+        logprobs = None
+        if choices and scores:
+            logprobs = _chat_logprobs(scores)
+            scores.clear()
+        choice = [api.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)] if choices else []
         return sse(api.ChatCompletionChunk(id=rid, created=created, model=model, choices=choice, usage=usage))
 
     yield chunk(api.ChatDelta(role="assistant", content=""))
     async for item in stream:
-        if isinstance(item, TextDelta):
+        if isinstance(item, TokenLogprob):
+            if scores is not None:
+                scores.append(item)
+        elif isinstance(item, TextDelta):
             field = "reasoning_content" if item.channel == "reasoning" else "content"
             yield chunk(api.ChatDelta(**{field: item.text}))
         elif isinstance(item, ToolCallDelta):
@@ -144,14 +191,18 @@ async def chat_events(stream: JobStream, model: str, include_usage: bool) -> Asy
 async def completion_response(stream: JobStream, model: str) -> api.Completion:
     """The whole text completion, folded from the job's outputs."""
     text: List[str] = []
+    scores: List[TokenLogprob] = []
     async for item in stream:
         if isinstance(item, TextDelta):
             text.append(item.text)
+        elif isinstance(item, TokenLogprob):
+            scores.append(item)
         elif isinstance(item, Failed):
             raise _failure(item)
         else:
             done = item
-    choice = api.CompletionChoice(text="".join(text), finish_reason=done.finish_reason)
+    logprobs = _completion_logprobs(scores)[0] if _wants_logprobs(stream) else None
+    choice = api.CompletionChoice(text="".join(text), finish_reason=done.finish_reason, logprobs=logprobs)
     return api.Completion(id=api.new_id("cmpl"), created=api.now(), model=model, choices=[choice],
                           usage=_usage(done))
 
@@ -159,13 +210,23 @@ async def completion_response(stream: JobStream, model: str) -> api.Completion:
 async def completion_events(stream: JobStream, model: str, include_usage: bool) -> AsyncIterator[str]:
     """SSE chunks of text, then the finish reason, usage and [DONE]."""
     rid, created = api.new_id("cmpl"), api.now()
+    scores: Optional[List[TokenLogprob]] = [] if _wants_logprobs(stream) else None  # as in chat_events
+    offset = 0
 
     def chunk(text="", finish=None, choices=True, usage=None) -> str:
-        choice = [api.CompletionChoice(text=text, finish_reason=finish)] if choices else []
+        nonlocal offset
+        logprobs = None
+        if choices and scores:
+            logprobs, offset = _completion_logprobs(scores, offset)
+            scores.clear()
+        choice = [api.CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)] if choices else []
         return sse(api.Completion(id=rid, created=created, model=model, choices=choice, usage=usage))
 
     async for item in stream:
-        if isinstance(item, TextDelta):
+        if isinstance(item, TokenLogprob):
+            if scores is not None:
+                scores.append(item)
+        elif isinstance(item, TextDelta):
             yield chunk(item.text)
         elif isinstance(item, Failed):
             yield sse(api.error_response(_failure(item)))

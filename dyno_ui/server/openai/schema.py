@@ -12,7 +12,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from speculative.config import PENALTY_CONTEXT, SamplingParams
+from speculative.config import MAX_LOGPROBS, PENALTY_CONTEXT, SamplingParams
 
 from ...runtime.errors import ApiError
 
@@ -38,14 +38,12 @@ def error_response(err: ApiError) -> ErrorResponse:
 
 # OpenAI request fields Dyno does not implement: a request that sets one to anything but its no-op
 # value gets a 400 naming it, instead of an answer that pretends the field was applied. Each entry
-# is (the values that do nothing, why); null is always allowed. Lifting one (logprobs, when it is
+# is (the values that do nothing, why); null is always allowed. Lifting one (as logprobs was, once
 # implemented) is deleting its line and adding the field to the request type.
 Refusals = Dict[str, Tuple[Callable[[Any], bool], str]]
 THINKING_HINT = 'turn thinking off with chat_template_kwargs {"enable_thinking": false}'
 REFUSED_CHAT: Refusals = {
     "n": (lambda v: v == 1, "only n=1 is supported (one choice per request)"),
-    "logprobs": (lambda v: v == False, "log-probabilities are not supported yet"),  # noqa: E712 (0 too)
-    "top_logprobs": (lambda v: v == 0, "log-probabilities are not supported yet"),
     "audio": (lambda v: False, "audio output is not supported"),
     "modalities": (lambda v: v == ["text"], 'only ["text"] is supported'),
     "prediction": (lambda v: False, "predicted outputs are not supported"),
@@ -59,7 +57,6 @@ REFUSED_CHAT: Refusals = {
 REFUSED_COMPLETION: Refusals = {
     "n": (lambda v: v == 1, "only n=1 is supported (one choice per request)"),
     "best_of": (lambda v: v == 1, "only best_of=1 is supported"),
-    "logprobs": (lambda v: False, "log-probabilities are not supported yet"),
     "echo": (lambda v: v == False, "echo is not supported"),  # noqa: E712
     "suffix": (lambda v: v == "", "suffix (fill-in-the-middle) is not supported"),
 }
@@ -122,6 +119,10 @@ class SamplingFields(_Request):
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_tokens
 
+    def requested_logprobs(self) -> Optional[int]:
+        """How many top alternatives each token's log-probability comes with; None: no logprobs."""
+        return None
+
     def sampling(self, generation_config: dict, default_max_tokens: int, room: int, vocab: int,
                  constraint=None) -> SamplingParams:
         """SamplingParams: request values over generation_config over greedy; `room` caps max_tokens;
@@ -137,7 +138,7 @@ class SamplingFields(_Request):
             presence_context_size=self.repetition_context_size,
             frequency_penalty=self.frequency_penalty or 0.0,
             frequency_context_size=self.repetition_context_size,
-            constraint=constraint,
+            constraint=constraint, logprobs=self.requested_logprobs(),
         )
 
 
@@ -245,9 +246,20 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[Dict[str, Any]] = None  # read by speculative.constraints (errors name it)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # OpenAI's bound
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:  # as OpenAI: alternatives only with logprobs on
+            raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+        return self
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
+
+    def requested_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_tools(self) -> Optional[List[dict]]:
         """The tools as the chat template and the constraints take them; None without tools."""
@@ -267,6 +279,12 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     REFUSED: ClassVar[Refusals] = REFUSED_COMPLETION
     prompt: Union[str, List[int], List[str]]
+    # The number of top alternatives with each token's log-probability (0: the token's alone);
+    # OpenAI allows up to 5 here, Dyno up to the chat bound.
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def requested_logprobs(self) -> Optional[int]:
+        return self.logprobs
 
     def prompt_text_or_ids(self) -> Union[str, List[int]]:
         """The single prompt: text, or token ids (a list of one string is accepted)."""
@@ -329,11 +347,37 @@ class ChatMessageOut(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None or k == "content"}
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[List[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: List[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    """choices[].logprobs of a chat completion (or of one chunk): the tokens it delivered."""
+
+    content: Optional[List[ChatTokenLogprob]] = None
+    refusal: Optional[List[ChatTokenLogprob]] = None
+
+
+class CompletionLogprobs(BaseModel):
+    """choices[].logprobs of /v1/completions: parallel lists, one entry per token."""
+
+    tokens: List[str] = []
+    token_logprobs: List[float] = []
+    top_logprobs: List[Dict[str, float]] = []
+    text_offset: List[int] = []
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: Optional[str]
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletion(BaseModel):
@@ -370,7 +414,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -386,7 +430,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
 
 
 class Completion(BaseModel):
