@@ -118,16 +118,7 @@ def test_a_stop_string_and_a_client_leaving_keep_the_prefix(tiny_dir, tiny_lm):
             lm, template(lm, follow), 12)))[0]
         # A client that leaves mid-stream: the state it reached is kept, its prompt's end included.
         text = "class Queue:\n    def put(self, item):\n"
-        before = server.stats()
-        body = {"model": MODEL_ID, "prompt": text, "max_tokens": 3000, "stream": True, "temperature": 0}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-            for i, _ in enumerate(line for line in r.iter_lines() if line.startswith("data: ")):
-                if i == 3:
-                    break
-        deadline = time.monotonic() + 30
-        while server.stats()["requests"]["cancelled"] == before["requests"]["cancelled"]:
-            assert time.monotonic() < deadline, "the generation was not cancelled"
-            time.sleep(0.05)
+        cancel_a_stream(server, text)
         ids = lm.tokenizer.encode(text + "        pass\n")
         out = server.client.completions.create(model=MODEL_ID, prompt=text + "        pass\n", max_tokens=10,
                                                temperature=0)
