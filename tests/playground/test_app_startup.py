@@ -25,7 +25,7 @@ def model_dir(tmp_path_factory):
 
     if (BUNDLED_MODEL / "config.json").exists():
         return BUNDLED_MODEL
-    import tiny_models
+    from helpers import tiny_models
 
     return tiny_models.build(tmp_path_factory.mktemp("tiny") / "tiny", seed=1)
 
