@@ -80,12 +80,15 @@ CHAT = body(
     st.fixed_dictionaries({"messages": st.lists(MESSAGE, min_size=1, max_size=4)
                            | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": TEXT}),
                                       min_size=1, max_size=2)}),
-    st.tuples(st.sampled_from(["max_completion_tokens", "chat_template_kwargs", "messages"]),
-              INTS | JUNK | st.dictionaries(TEXT, ANY, max_size=3) | st.lists(MESSAGE, max_size=3)),
+    st.tuples(st.sampled_from(["max_completion_tokens", "chat_template_kwargs", "messages", "logprobs", "top_logprobs",
+                               "tools", "tool_choice", "response_format", "parallel_tool_calls"]),
+              INTS | JUNK | st.booleans() | st.dictionaries(TEXT, ANY, max_size=3) | st.lists(MESSAGE, max_size=3)
+              | st.sampled_from([{"type": "json_object"}, {"type": "text"}, "auto", "none", "required"])),
 )
 COMPLETION = body(
     st.fixed_dictionaries({"prompt": TEXT | st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6)}),
-    st.tuples(st.just("prompt"), TEXT | st.lists(INTS, max_size=6) | st.lists(TEXT, max_size=2) | JUNK),
+    st.tuples(st.sampled_from(["prompt", "logprobs"]),
+              TEXT | INTS | st.lists(INTS, max_size=6) | st.lists(TEXT, max_size=2) | JUNK),
 )
 STATUSES = {}  # decode concurrency -> the statuses its fuzzed requests got
 REQUEST = st.tuples(st.just("/v1/chat/completions"), CHAT) | st.tuples(st.just("/v1/completions"), COMPLETION)
