@@ -1,0 +1,274 @@
+"""Where a speculative round's time goes: device time and exposed host time per phase.
+
+    python tools/profile_round.py [--model assets/dyno-tiny] [--depths 1 3] [--max-tokens 200]
+                                  [--suite code] [--pairs 1] [--temp 0] [--json FILE]
+
+Method. The engine is not changed: `Profiled` subclasses speculative.engine.Speculator and wraps
+the calls `step` already makes, so each phase of a round ends at a call the engine makes anyway:
+
+    drafts        step entry -> `draft` returns (k head steps, draft lm_head, pick)
+    verify        -> `target.verify` returns (the k+1-token trunk pass)
+    acceptance    -> the round's host sync (`outcome`) returns (logits processors, the acceptance
+                     rule, reading the outcome to Python)
+    rollback      -> `_head` is entered after the sync (trunk cache trim, GDN commit, head cache trim)
+    head rebuild  -> `_head` returns (the committed rows of the head, from the trunk's hiddens)
+    emit          -> the next `step` entry (bookkeeping, yielding the tokens, generate()'s loop)
+
+In the instrumented run every phase ends with a barrier: mx.eval of what the phase produced (the
+drafts; the verify logits and hiddens; the outcome; the trunk cache state; the head's output and
+cache) and mx.synchronize(). A phase's device time is the time spent blocked in that barrier; its
+host time is its wall time minus that, i.e. the Python graph building and bookkeeping the device
+could not overlap. The phases are contiguous, so they add up to the instrumented round's wall time.
+The blocked time also holds MLX's own dispatch of the graph (encoding on Metal, scheduling on the
+CPU backend), so "device" is an upper bound on compute and "host" a lower bound on Python work.
+
+Barriers change overlap: the engine queues the drafts (async_eval) while it builds the verify
+graph, and the head rebuild while the caller handles the tokens, and a barrier serializes both.
+So the instrumented round is longer than the real one. The tool therefore also times the same
+prompt without barriers (only a clock read at each `step` entry; identical tokens are checked)
+and reports, per depth, the uninstrumented round time, the model calls the cost model allows
+(Tv(k) + k*Td, speculative/cost_model.py, timed right before each prompt's pair of runs, since
+this machine drifts within minutes) and their difference: the exposed host time per round, what
+issue 18 sets out to cut. That difference also holds the device work outside the model calls
+(the acceptance rule, the GDN commit, a sampler's warp), which the table shows per phase. The
+first round of each run is left out (allocation, first-use compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import pathlib
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from speculative import engine  # noqa: E402
+from speculative.config import SamplingParams, SpecConfig  # noqa: E402
+from speculative.cost_model import cost_model  # noqa: E402
+from speculative.events import Round, Token  # noqa: E402
+
+PHASES = ("drafts", "verify", "acceptance", "rollback", "head rebuild", "emit")
+
+
+def _arrays(x) -> list:
+    """The mx.arrays in a nest of tuples, lists and Nones."""
+    if isinstance(x, mx.array):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [a for item in x for a in _arrays(item)]
+    return []
+
+
+class _TargetProxy:
+    """The trunk adapter with its verify pass ending the `verify` phase."""
+
+    def __init__(self, target, owner: "Profiled"):
+        self._target, self._owner = target, owner
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def verify(self, tokens, cache):
+        logits, hidden, tapes = self._target.verify(tokens, cache)
+        if self._owner._phase == "verify":
+            self._owner._wait([logits, hidden])  # what the sync needs; the tapes are rollback's
+            self._owner._mark("acceptance")
+        return logits, hidden, tapes
+
+
+class Profiled(engine.Speculator):
+    """A Speculator that records per-round phase times; with `barriers` False only round starts."""
+
+    barriers = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.round_starts: List[float] = []  # perf_counter at every step entry
+        self.rounds: List[Dict[str, List[float]]] = []  # closed rounds: phase -> [wall, device]
+        self._phase: Optional[str] = None
+        self._record: Optional[Dict[str, List[float]]] = None
+        self._t = 0.0
+        if self.barriers:
+            self.target = _TargetProxy(self.target, self)
+            real = self.outcome
+
+            def outcome(*arrays):
+                if self._phase != "acceptance":  # prefill's sync: not a round
+                    return real(*arrays)
+                self._wait(arrays)
+                out = real(*arrays)
+                self._mark("rollback")
+                return out
+
+            self.outcome = outcome
+
+    # -- accounting
+    def _wait(self, arrays) -> None:
+        start = time.perf_counter()
+        mx.eval(_arrays(list(arrays)))
+        mx.synchronize()
+        self._record[self._phase][1] += time.perf_counter() - start
+
+    def _mark(self, nxt: Optional[str]) -> None:
+        now = time.perf_counter()
+        self._record[self._phase][0] += now - self._t
+        self._t, self._phase = now, nxt
+
+    # -- the engine's calls, wrapped
+    def step(self):
+        if not self.barriers:
+            self.round_starts.append(time.perf_counter())
+            return super().step()
+        if self._phase == "emit":  # close the previous round at this round's start (its clock read)
+            self._wait([])
+            self._mark(None)
+            self.rounds.append(self._record)
+        else:
+            self._t = time.perf_counter()
+        self._record = {p: [0.0, 0.0] for p in PHASES}
+        self._phase = "drafts"
+        self.round_starts.append(self._t)
+        return super().step()
+
+    def draft(self, k: int):
+        out = super().draft(k)
+        if self.barriers and self._phase == "drafts":
+            self._wait(out)
+            self._mark("verify")
+        return out
+
+    def _head(self, tokens, hidden):
+        if not (self.barriers and self._phase == "rollback"):
+            return super()._head(tokens, hidden)  # prefill's rows and the draft recursion
+        self._wait([c.state for c in self.trunk_cache])
+        self._mark("head rebuild")
+        out = super()._head(tokens, hidden)
+        self._wait([out] + [c.state for c in self.head_cache])
+        self._mark("emit")
+        return out
+
+
+@contextlib.contextmanager
+def profiled(barriers: bool):
+    """engine.generate builds `Profiled` runners inside; yields the list they are appended to."""
+    made: List[Profiled] = []
+
+    class Runner(Profiled):
+        def __init__(self, *args, **kwargs):
+            self.barriers = barriers
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    real = engine.Speculator
+    engine.Speculator = Runner
+    try:
+        yield made
+    finally:
+        engine.Speculator = real
+
+
+def profile_run(lm, prompt: Sequence[int], depth: int, params: SamplingParams, barriers: bool,
+                skip: int = 1) -> dict:
+    """One generation through engine.generate: its tokens, rounds, and per-round timings (seconds).
+
+    `phases`: per closed round after the first `skip`, phase -> (host, device); `walls`: those
+    rounds' step-entry-to-next-step-entry times; `accepted`: drafts kept per round.
+    """
+    with profiled(barriers) as made:
+        events = list(engine.generate(lm, prompt, params, SpecConfig("mtp", depth)))
+    runner = made[0]
+    starts = runner.round_starts
+    walls = [b - a for a, b in zip(starts, starts[1:])][skip:]
+    phases = [{p: (w - d, d) for p, (w, d) in r.items()} for r in runner.rounds][skip:]
+    return {"tokens": [e.id for e in events if isinstance(e, Token)],
+            "accepted": [e.accepted for e in events if isinstance(e, Round)],
+            "walls": walls, "phases": phases}
+
+
+def profile_depth(lm, prompts: List[List[int]], depth: int, params: SamplingParams, pairs: int = 1,
+                  reps: int = 15) -> dict:
+    """Per prompt (and pair): the cost model, then an uninstrumented and an instrumented run.
+
+    The cost model is timed right beside the runs it is held against (this machine drifts by tens
+    of percent within minutes); the model calls are its Tv(k) + k*Td, weighted by each block's
+    uninstrumented rounds.
+    """
+    for barriers in (False, True):  # warm-up
+        profile_run(lm, prompts[0], depth, dataclasses.replace(params, max_tokens=24), barriers)
+    plain_walls, phases, accepted, costs, calls, identical = [], [], [], [], [], True
+    for _ in range(pairs):
+        for prompt in prompts:
+            c = cost_model(lm, prompt, [depth], reps=reps)
+            costs.append(c)
+            off = profile_run(lm, prompt, depth, params, barriers=False)
+            on = profile_run(lm, prompt, depth, params, barriers=True)
+            identical &= off["tokens"] == on["tokens"]
+            plain_walls += off["walls"]
+            calls += [c["Tv"][depth] + depth * c["Td"]] * len(off["walls"])
+            phases += on["phases"]
+            accepted += off["accepted"]
+    mean = {p: (statistics.fmean(r[p][0] for r in phases), statistics.fmean(r[p][1] for r in phases))
+            for p in PHASES}
+    round_ms = statistics.fmean(plain_walls) * 1e3
+    model_calls_ms = statistics.fmean(calls) * 1e3
+    return {"depth": depth, "rounds": len(phases), "plain_rounds": len(plain_walls),
+            "tokens_per_round": statistics.fmean(a + 1 for a in accepted),
+            "cost_model_ms": {name: statistics.median(c[name] if name != "Tv" else c["Tv"][depth]
+                                                      for c in costs) * 1e3 for name in ("T1", "Tv", "Td")},
+            "phases_ms": {p: {"host": h * 1e3, "device": d * 1e3} for p, (h, d) in mean.items()},
+            "instrumented_round_ms": sum(h + d for h, d in mean.values()) * 1e3,
+            "round_ms": round_ms, "model_calls_ms": model_calls_ms,
+            "exposed_host_ms": round_ms - model_calls_ms, "identical": identical}
+
+
+def main() -> None:
+    from speculative.loader import load_model
+    from speculative.suites import SUITES, encode
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="assets/dyno-tiny")
+    ap.add_argument("--depths", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--suite", default="code", choices=sorted(SUITES))
+    ap.add_argument("--pairs", type=int, default=1, help="uninstrumented/instrumented runs per prompt")
+    ap.add_argument("--temp", type=float, default=0.0, help="0: greedy; else with top-p 0.95, top-k 20")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+
+    lm = load_model(args.model, mode="mtp")
+    prompts = [encode(lm.tokenizer, item) for item in SUITES[args.suite]]
+    params = (SamplingParams(max_tokens=args.max_tokens) if args.temp == 0 else
+              SamplingParams(temperature=args.temp, top_p=0.95, top_k=20, max_tokens=args.max_tokens, seed=0))
+    out = {"model": args.model, "suite": args.suite, "max_tokens": args.max_tokens, "temperature": args.temp,
+           "pairs": args.pairs, "device": str(mx.default_device()), "mlx": mx.__version__, "depths": []}
+    print(f"{args.model}, suite {args.suite}, {args.max_tokens} tokens, T={args.temp}, {mx.default_device()}, "
+          f"MLX {mx.__version__}")
+    for k in args.depths:
+        r = profile_depth(lm, prompts, k, params, args.pairs)
+        out["depths"].append(r)
+        cm = r["cost_model_ms"]
+        print(f"\ndepth {k}: {r['rounds']} instrumented rounds, {r['tokens_per_round']:.2f} tokens/round, "
+              f"identical tokens: {'yes' if r['identical'] else 'NO'}; cost model (median): "
+              f"T1 {cm['T1']:.2f} ms, Tv({k}) {cm['Tv']:.2f} ms, Td {cm['Td']:.2f} ms")
+        print(f"  {'phase':<13}{'host ms':>9}{'device ms':>11}")
+        for p in PHASES:
+            ph = r["phases_ms"][p]
+            print(f"  {p:<13}{ph['host']:>9.2f}{ph['device']:>11.2f}")
+        host = sum(ph["host"] for ph in r["phases_ms"].values())
+        dev = sum(ph["device"] for ph in r["phases_ms"].values())
+        print(f"  {'sum':<13}{host:>9.2f}{dev:>11.2f}   instrumented round {r['instrumented_round_ms']:.2f} ms")
+        print(f"  uninstrumented round {r['round_ms']:.2f} ms; model calls Tv({k}) + {k}*Td = "
+              f"{r['model_calls_ms']:.2f} ms; exposed host per round {r['exposed_host_ms']:.2f} ms")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
