@@ -10,17 +10,15 @@ The non-streaming message is a fold of the same events the stream sends.
 """
 
 import json
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, List, Optional
 
 from speculative.config import SamplingParams
 from speculative.constraints import json_schema_constraint
-from speculative.errors import DynoError
 
 from ...runtime import served as runtime
 from ...runtime import tools as runtime_tools
-from ...runtime.errors import ApiError
+from ...runtime.errors import ApiError, bad_request
 from ...runtime.outputs import Failed, Finished, TextDelta, ToolCallDelta
 from ...runtime.served import ServedModel
 from ...runtime.worker import Job
@@ -72,15 +70,6 @@ def template_tools(tools: Optional[List[api.Tool]]) -> Optional[List[dict]]:
                                               "parameters": t.input_schema}} for t in tools]
 
 
-@contextmanager
-def _as_400(param: str):
-    """A DynoError inside (a bad tool, schema or choice) is the request's fault: a 400 naming `param`."""
-    try:
-        yield
-    except DynoError as e:
-        raise ApiError(400, e.message, param="tools" if e.message.startswith("invalid tools") else param) from None
-
-
 @dataclass
 class Prompt:
     """A request checked against the served model: the model, the templated prompt, the tools in play."""
@@ -103,7 +92,7 @@ def prompt_for(served: ServedModel, req: api.Conversation) -> Prompt:
     if req.tool_choice is not None and req.tool_choice.forced and not tools:
         raise ApiError(400, f"tool_choice: {req.tool_choice.type!r} requires a tool call but no tools were given",
                        param="tool_choice")
-    with _as_400("tools"):
+    with bad_request("tools"):
         runtime_tools.check_tools(lm, tools, choice)
     kwargs = {}
     if req.thinking is not None and req.thinking.type != "adaptive":  # adaptive: the template's default
@@ -126,9 +115,9 @@ def message_job(served: ServedModel, req: api.MessagesRequest, sink) -> "Reply":
     prompt = prompt_for(served, req)
     lm, tools, choice = prompt.lm, prompt.tools, prompt.choice
     parallel = not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
-    with _as_400("output_config"):
+    with bad_request("output_config"):
         response = json_schema_constraint(req.output_schema, lm) if req.output_schema is not None else None
-    with _as_400("tool_choice"):
+    with bad_request("tool_choice"):
         constraint = runtime_tools.answer_constraint(lm, prompt.tokens, tools, choice, parallel, response)
 
     def sampling(room: int) -> SamplingParams:

@@ -7,11 +7,10 @@ same text.
 from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from speculative.constraints import constraint_from_response_format
-from speculative.errors import DynoError
 
 from ...runtime import served as runtime
 from ...runtime import tools as runtime_tools
-from ...runtime.errors import ApiError
+from ...runtime.errors import ApiError, bad_request
 from ...runtime.outputs import Failed, Finished, TextDelta, TokenLogprob, ToolCallDelta
 from ...runtime.served import ServedModel
 from ...runtime.worker import Job
@@ -26,36 +25,19 @@ def chat_job(served: ServedModel, req: api.ChatCompletionRequest, sink) -> Tuple
     tools, choice = req.template_tools(), req.choice()
     parallel = req.parallel_tool_calls is not False
     calls = runtime_tools.calls_allowed(tools, choice)
-    with _param("tools"):
+    with bad_request("tools"):
         runtime_tools.check_tools(lm, tools, choice)
     prompt = runtime.chat_prompt(lm, [m.for_template() for m in req.messages], req.chat_template_kwargs,
                                  tools if calls else None)
-    with _param("response_format"):
+    with bad_request("response_format"):
         response = constraint_from_response_format(req.response_format, lm)
-    with _param("tool_choice"):
+    with bad_request("tool_choice"):
         constraint = runtime_tools.answer_constraint(lm, prompt, tools, choice, parallel, response,
                                                      strict=req.strict_tools())
     params = runtime.checked_sampling(lm, prompt, "messages", lambda room: req.sampling(
         lm.generation_config, served.default_max_tokens, room, lm.vocab_size, constraint))
     stream = runtime_tools.tool_call_stream(lm, tools, choice, parallel)
     return model_id, runtime.chat_job(lm, prompt, params, req.stop_strings(), sink, tool_calls=stream)
-
-
-class _param:
-    """Turns a DynoError raised inside into a 400 naming `name` (a schema's own errors name their field too)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, tb):
-        if isinstance(error, DynoError):
-            named = {"invalid tools": "tools", "invalid tool_choice": "tool_choice"}
-            param = next((v for k, v in named.items() if error.message.startswith(k + ":")), self.name)
-            raise ApiError(400, error.message, param=param) from None
-        return False
 
 
 def completion_job(served: ServedModel, req: api.CompletionRequest, sink) -> Tuple[str, Job]:
