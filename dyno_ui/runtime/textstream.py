@@ -33,6 +33,7 @@ class TextAssembler:
                  initial: str = "normal", tool_calls: Optional[ToolCallStream] = None):
         self.detokenizer = tokenizer.detokenizer  # a fresh copy per call
         self.calls = tool_calls
+        self.stops = list(stop)
         transitions = {"normal": []}
         if split_reasoning and getattr(tokenizer, "has_thinking", False):
             transitions = {"normal": [(tokenizer.think_start, "reasoning")],
@@ -47,6 +48,15 @@ class TextAssembler:
         self.where = initial if initial in transitions else "normal"
         self.state = self.machine.make_state(self.where)
         self.stopped = False
+
+    def matched_stop(self) -> Optional[str]:
+        """The stop string that ended the text, if one did: the one completed first in the decoded
+        text. (A request allowed one tool call also stops when that call is complete: none then.)"""
+        if not self.stopped or not self.stops or (self.calls is not None and self.calls.done):
+            return None
+        text = self.detokenizer.text
+        ends = [(text.find(s) + len(s), -len(s), s) for s in self.stops if s in text]
+        return min(ends)[2] if ends else self.stops[0]
 
     def add(self, token: int) -> List[Piece]:
         """Outputs made printable by `token` (possibly none); sets `stopped` when a stop string completes."""

@@ -128,29 +128,18 @@ def message_job(served: ServedModel, req: api.MessagesRequest, sink) -> "Reply":
     params = runtime.checked_sampling(lm, prompt.tokens, "messages", sampling)
     calls = runtime_tools.tool_call_stream(lm, tools, choice, parallel)
     job = runtime.chat_job(lm, prompt.tokens, params, req.stop_strings(), sink, tool_calls=calls)
-    return Reply(prompt.model, job, req.stop_strings())
+    return Reply(prompt.model, job)
 
 
 # ---- outputs -------------------------------------------------------------------------------
-
-
-def matched_stop(job: Job, stops: List[str]) -> Optional[str]:
-    """The stop sequence that ended the job, if one did: the one completed first in the generated text.
-    (A request allowed one tool call also stops when that call is complete: no stop sequence then.)"""
-    calls = getattr(job.text, "calls", None)
-    if not job.text.stopped or not stops or (calls is not None and calls.done):
-        return None
-    text = getattr(getattr(job.text, "detokenizer", None), "text", "")
-    ends = [(text.find(s) + len(s), -len(s), s) for s in stops if s in text]
-    return min(ends)[2] if ends else stops[0]
 
 
 class Reply:
     """One request's job outputs as Anthropic stream events: a content block opened, extended and
     closed for each run of reasoning (thinking), content (text) and each tool call (tool_use)."""
 
-    def __init__(self, model: str, job: Job, stops: List[str]):
-        self.model, self.job, self.stops = model, job, stops
+    def __init__(self, model: str, job: Job):
+        self.model, self.job = model, job
         self.id = api.new_id("msg")
         self.index = -1
         self.open: Optional[str] = None  # type of the block being written
@@ -206,7 +195,7 @@ class Reply:
     def _stop(self, done: Finished) -> api.StopDelta:
         if done.finish_reason == "length":
             return api.StopDelta(stop_reason="max_tokens")
-        stop = matched_stop(self.job, self.stops)
+        stop = self.job.text.matched_stop()
         if stop is not None:
             return api.StopDelta(stop_reason="stop_sequence", stop_sequence=stop)
         return api.StopDelta(stop_reason="tool_use" if self.calls else "end_turn")
