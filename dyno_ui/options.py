@@ -26,6 +26,11 @@ class ModelOptions:
     mtp_base: Optional[str] = None
     distributed: Optional[str] = None  # "pipeline" or "tensor": split across the ranks of mlx.launch
 
+    def load_args(self, mode: Optional[str] = None) -> dict:
+        """The loader's keyword arguments for this model (`mode` overrides --speculative)."""
+        return dict(mode=mode or self.speculative, mtp_head=self.mtp_head, mtp_base=self.mtp_base,
+                    head_bits=self.mtp_head_bits)
+
     def __post_init__(self):
         """Every value checked before anything is loaded."""
         if self.distributed not in (None, "pipeline", "tensor"):

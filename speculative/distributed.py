@@ -215,6 +215,39 @@ def load_sharded(path, strategy: str, group=None, watchdog: Optional[Watchdog] =
     return lm
 
 
+class Member:
+    """This process as one rank of the group `mlx.launch` started (`--distributed`): its watchdog,
+    its group, and its part of the model. Rank 0 leads; the others `follow` it."""
+
+    def __init__(self, strategy: str):
+        self.strategy = strategy
+        self.watchdog = Watchdog()
+        try:
+            self.group = init_group(watchdog=self.watchdog)
+        except BaseException:
+            self.watchdog.close()
+            raise
+        self.leader = self.group.rank() == 0
+
+    def load(self, path, **load_kw) -> LoadedModel:
+        """This rank's part of `path` (load_kw as for loader.load_model)."""
+        return load_sharded(path, self.strategy, self.group, watchdog=self.watchdog, **load_kw)
+
+    def close(self) -> None:
+        self.watchdog.close()
+
+
+def split_depth(lm: LoadedModel, requested) -> int:
+    """--draft-depth on a split model: as given, else the depth `dyno tune` stored, else the default.
+    Never a cost-model estimate: its timing runs would be collectives on one rank alone."""
+    from .config import DEFAULT_DRAFT_DEPTH
+    from .tuning import stored
+
+    if requested != "auto":
+        return int(requested)
+    return int((stored(lm) or {}).get("depth", DEFAULT_DRAFT_DEPTH))
+
+
 # ---- the round's agreement ---------------------------------------------------------------------
 
 class _Halt(Exception):

@@ -3,7 +3,7 @@
 import json
 import sys
 
-from speculative.config import DEFAULT_DRAFT_DEPTH, SamplingParams, SpecConfig
+from speculative.config import SamplingParams, SpecConfig
 from speculative.errors import DynoError
 
 from ..paths import default_model
@@ -46,8 +46,7 @@ def cmd_generate(args) -> int:
     sampling_from(args, {})
     if options.distributed:
         return _generate_split(args, options)
-    lm = load_model(options.model or default_model(), mode=options.speculative, mtp_head=options.mtp_head,
-                    mtp_base=options.mtp_base, notify=notify, head_bits=options.mtp_head_bits)
+    lm = load_model(options.model or default_model(), **options.load_args(), notify=notify)
     spec = SpecConfig(options.speculative, resolve_depth(lm, options.draft_depth), options.draft_vocab)
     from speculative import generate
 
@@ -58,28 +57,21 @@ def _generate_split(args, options) -> int:
     """`mlx.launch ... dyno generate --distributed S`: every rank loads its part; rank 0 tokenizes,
     generates and prints, the others follow its rounds until it releases them."""
     from speculative import distributed
-    from speculative.tuning import stored
 
-    dog = distributed.Watchdog()
+    member = distributed.Member(options.distributed)
     try:
-        group = distributed.init_group(watchdog=dog)
-        leader = group.rank() == 0
-        lm = distributed.load_sharded(options.model or default_model(), options.distributed, group, watchdog=dog,
-                                      mode=options.speculative, mtp_head=options.mtp_head, mtp_base=options.mtp_base,
-                                      head_bits=options.mtp_head_bits, notify=notify if leader else None)
-        if not leader:
+        lm = member.load(options.model or default_model(), **options.load_args(),
+                         notify=notify if member.leader else None)
+        if not member.leader:
             distributed.follow(lm)
             return 0
         try:
-            # No cost-model estimate for `auto`: its timing runs would be collectives on rank 0 alone.
-            depth = options.draft_depth
-            if depth == "auto":
-                depth = int((stored(lm) or {}).get("depth", DEFAULT_DRAFT_DEPTH))
-            return _run(args, lm, SpecConfig(options.speculative, depth, options.draft_vocab), distributed.generate)
+            spec = SpecConfig(options.speculative, distributed.split_depth(lm, options.draft_depth), options.draft_vocab)
+            return _run(args, lm, spec, distributed.generate)
         finally:
             distributed.release(lm)
     finally:
-        dog.close()
+        member.close()
 
 
 def _run(args, lm, spec, generate) -> int:

@@ -106,7 +106,7 @@ def run(options: ServeOptions) -> int:
     """Serve until stopped; returns the exit status."""
     import uvicorn
 
-    from speculative import load_model
+    from speculative import distributed, load_model
     from speculative.tuning import resolve_depth
 
     from ..runtime.served import ServedModel
@@ -116,16 +116,19 @@ def run(options: ServeOptions) -> int:
     path = m.model or default_model()
     mode = "off" if options.batched else m.speculative  # batched decoding never drafts: skip the head
     notify = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    split = Split(m.distributed) if m.distributed else None
+    split = distributed.Member(m.distributed) if m.distributed else None
     if split is not None and not split.leader:
-        return split.follow(path, m)  # this rank serves nothing: it runs rank 0's rounds until released
+        try:  # this rank serves nothing: it runs rank 0's rounds until released
+            distributed.follow(split.load(path, **m.load_args()))
+            return 0
+        finally:
+            split.close()
 
     def load():
         if split is not None:
-            lm = split.load(path, m, notify)
-            return lm, SpecConfig(mode, split.depth(lm, m.draft_depth), m.draft_vocab)
-        lm = load_model(path, mode=mode, mtp_head=m.mtp_head, mtp_base=m.mtp_base, notify=notify,
-                        head_bits=m.mtp_head_bits)
+            lm = split.load(path, **m.load_args(), notify=notify)
+            return lm, SpecConfig(mode, distributed.split_depth(lm, m.draft_depth), m.draft_vocab)
+        lm = load_model(path, **m.load_args(mode), notify=notify)
         depth = resolve_depth(lm, m.draft_depth) if lm.head is not None else SpecConfig().draft_depth
         return lm, SpecConfig(mode, depth, m.draft_vocab)
 
@@ -164,38 +167,3 @@ def run(options: ServeOptions) -> int:
     finally:
         worker.close(timeout=5)
     return 0
-
-
-class Split:
-    """`--distributed`: this process is one rank of an `mlx.launch` group. Rank 0 serves HTTP with
-    the engine thread generating across the group; the other ranks follow its rounds."""
-
-    def __init__(self, strategy: str):
-        from speculative import distributed
-
-        self.distributed, self.strategy = distributed, strategy
-        self.watchdog = distributed.Watchdog()
-        self.group = distributed.init_group(watchdog=self.watchdog)
-        self.leader = self.group.rank() == 0
-
-    def load(self, path, m, notify=None):
-        return self.distributed.load_sharded(path, self.strategy, self.group, watchdog=self.watchdog,
-                                             mode=m.speculative, mtp_head=m.mtp_head, mtp_base=m.mtp_base,
-                                             head_bits=m.mtp_head_bits, notify=notify)
-
-    @staticmethod
-    def depth(lm, requested) -> int:
-        """No cost-model estimate for `auto`: its timing runs would be collectives on rank 0 alone."""
-        from speculative.config import DEFAULT_DRAFT_DEPTH
-        from speculative.tuning import stored
-
-        if requested != "auto":
-            return int(requested)
-        return int((stored(lm) or {}).get("depth", DEFAULT_DRAFT_DEPTH))
-
-    def follow(self, path, m) -> int:
-        try:
-            self.distributed.follow(self.load(path, m))
-            return 0
-        finally:
-            self.watchdog.close()
