@@ -6,6 +6,7 @@ norms, conv1d as [C, 1, K]. Loading it back exercises every conversion a real ch
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -184,3 +185,11 @@ def quantized(source, folder, group_size: int = 32, bits: int = 4):
     config = json.loads((source / "config.json").read_text())
     head = write_head_folder(folder / "head", read_checkpoint_head(source), config.get("text_config", config))
     return model, head
+
+
+def with_chat_template(model: Path, folder: Path, template: str) -> Path:
+    """A copy of the checkpoint `model` in `folder` whose tokenizer has `template` as its chat template."""
+    shutil.copytree(model, folder)
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps(dict(json.loads(config.read_text()), chat_template=template)))
+    return folder

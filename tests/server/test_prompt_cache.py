@@ -2,8 +2,6 @@
 regenerates, batches and restarts reuse what they share, report it truthfully (usage, /stats,
 /metrics), and answer exactly what a cold run answers."""
 
-import json
-import shutil
 import time
 from contextlib import contextmanager
 
@@ -18,6 +16,7 @@ from dyno_ui.runtime.worker import EngineWorker
 from dyno_ui.server.app import create_app
 from helpers.reference import plain_greedy
 from helpers.serving import MODEL_ID, Running, detokenize, running_server, serving_in_thread, split_think
+from helpers.tiny_models import with_chat_template
 from speculative.config import SpecConfig
 from speculative.loader import load_model
 
@@ -50,11 +49,7 @@ def server_with(model_dir, folder=None, decode_concurrency=1, memory=None):
 
 @pytest.fixture(scope="module")
 def thinking_dir(tiny_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("thinking") / "tiny"
-    shutil.copytree(tiny_dir(), folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=THINKING_TEMPLATE)))
-    return folder
+    return with_chat_template(tiny_dir(), tmp_path_factory.mktemp("thinking") / "tiny", THINKING_TEMPLATE)
 
 
 def template(lm, messages):

@@ -1,7 +1,6 @@
 """`dyno serve` through the official openai client over a real socket: exact text, streams, counters."""
 
 import json
-import shutil
 
 import pytest
 
@@ -9,6 +8,7 @@ from helpers.reference import plain_greedy
 from dyno_ui import cli
 from dyno_ui.server.openai.schema import ChatCompletionRequest
 from helpers.serving import MODEL_ID, detokenize, running_server, split_think
+from helpers.tiny_models import with_chat_template
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.stats import GenerationStats
@@ -170,10 +170,7 @@ def test_next_turn_reuses_the_cached_prefix(server, tiny_lm):
 
 @pytest.fixture(scope="module")
 def thinking_server(tiny_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("thinking") / "tiny"
-    shutil.copytree(tiny_dir(), folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=THINKING_TEMPLATE)))
+    folder = with_chat_template(tiny_dir(), tmp_path_factory.mktemp("thinking") / "tiny", THINKING_TEMPLATE)
     with running_server(folder) as running:
         yield running
 
