@@ -21,7 +21,7 @@ from .events import Done, Provenance, Round, Token
 from .loader import LoadedModel
 from .prefix_cache import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
 from .processors import PrefixProcessors, processors_for, with_prefix
-from .sampling import draw, log_softmax, plain_sampler, scored, warp
+from .sampling import draft_params, draw, log_softmax, plain_sampler, scored, warp
 from .verify import greedy_accept, lossless_accept
 
 Event = Union[Token, Round, Done]
@@ -173,8 +173,10 @@ class Speculator:
     def __init__(self, lm: LoadedModel, params: SamplingParams, depth: int, prefill_step: int,
                  draft_vocab: Optional[int] = None):
         self.target, self.head = lm.target, lm.head
+        self.eos = set(lm.eos_token_ids)
         self.draft_lm_head = draft_lm_head(lm, draft_vocab)  # the drafts' projection: all rows or a subset
         self.params, self.depth, self.prefill_step = params, depth, prefill_step
+        self.draft_params = draft_params(params, lm.vocab_size)  # q's warp (any q is exact)
         self.trunk_cache = self.target.make_cache()
         self.head_cache = self.head.make_cache()
         self.processors = PrefixProcessors(params)
@@ -187,6 +189,8 @@ class Speculator:
         self.head_hidden: Optional[mx.array] = None  # head output of the last committed row: drafts start here
         self.pending: Optional[mx.array] = None  # the token emitted but not yet fed to the trunk
         self.last_pass: Optional[LastPass] = None
+        self.queued: Optional[Tuple[mx.array, Optional[mx.array]]] = None  # the next round's drafts, computing
+        self.head_start = 0  # head cache rows before the queued drafts' recursion
         self.checkpoints: Dict[int, Checkpoint] = {}  # inherited from the resumed entry, and taken at cuts
         # Per emitted token of the latest prefill or step, its TokenLogprobs (None when not asked for).
         self.scores: List = []
@@ -203,7 +207,7 @@ class Speculator:
         """(token, draft distribution) for a [1, V] logits row; greedy drafts need no distribution."""
         if self.params.greedy:
             return mx.argmax(logits, axis=-1), None
-        logprobs = warp(logits, self.params)
+        logprobs = warp(logits, self.draft_params)
         return draw(logprobs, self._split()), mx.exp(logprobs)
 
     def _history(self) -> mx.array:
@@ -278,41 +282,60 @@ class Speculator:
         probs = None if self.params.greedy else mx.concatenate(draft_probs)
         return mx.concatenate(drafts), probs
 
+    def _trim_head(self, rows: int) -> None:
+        """Cut the head's caches back to their first `rows` rows."""
+        for c in self.head_cache:
+            c.trim(c.offset - rows)
+
+    def queue_drafts(self):
+        """Draft the next round and start computing it: while the caller handles this round's
+        tokens, and while Python builds the verify graph that reads the drafts."""
+        self.head_start = self.head_cache[0].offset  # the draft recursion's rows start here
+        self.queued = self.draft(self.depth)
+        mx.async_eval(self.queued[0])
+        return self.queued
+
     def step(self):
-        """Draft k tokens, verify them in one trunk pass, keep the accepted prefix, roll back.
+        """Verify the queued drafts in one trunk pass, keep the accepted prefix, roll back, and
+        queue the next round's drafts.
 
         Returns (accepted draft tokens, next token); next is the correction or the bonus.
         """
         k = self.depth
-        cycle_start = self.head_cache[0].offset
-        drafts, draft_probs = self.draft(k)
-        mx.async_eval(drafts)  # the head computes while Python builds the verify graph below
+        drafts, draft_probs = self.queued or self.queue_drafts()
+        self.queued = None
         logits, hidden, tapes = self.target.verify(
             mx.concatenate([self.pending, drafts])[None], self.trunk_cache
         )
+        mx.async_eval(logits, hidden)  # the trunk computes while Python builds the rest of the round
         logits = self._process(logits[0], drafts)  # the same processors the drafts saw, per row
         if self.params.greedy:
             n_acc, nxt = greedy_accept(drafts, log_softmax(logits))
         else:
             target_probs = mx.exp(warp(logits, self.params))
             n_acc, nxt = lossless_accept(drafts, draft_probs, target_probs, self._split())
+        # The head's rows for every position the round may keep, queued before the sync: row i
+        # pairs trunk hidden i with the token after it, drafts[i] below n_acc and nxt at n_acc.
+        # Causal attention keeps the rows past n_acc out of those before; the sync cuts them.
+        self._trim_head(self.head_start)  # the draft recursion's rows
+        nxt = nxt.reshape(1).astype(drafts.dtype)
+        follow = mx.where(mx.arange(k + 1) < n_acc, mx.concatenate([drafts, nxt]), nxt)
+        rows = self._head(follow, hidden)
+        mx.async_eval(rows)
         # The one host sync of the round (across ranks, its one collective: rank 0's outcome for
-        # all). Read everything now, while the stream is idle; a read after the async_eval below
-        # would wait for that work to finish.
+        # all), taken while the head rows compute.
         next_id, a, drafted = self.outcome(nxt, n_acc, drafts)
         accepted = drafted[:a]
         self.scores = self._scored(logits, accepted + [next_id])  # rows 0..a: the tokens kept
         rollback(self.trunk_cache, tapes, fed=k + 1, consumed=a + 1)
-        for c in self.head_cache:  # drop the recursive rows: committed rows come from trunk hiddens
-            c.trim(c.offset - cycle_start)
-        nxt = mx.array([next_id], dtype=drafts.dtype)
-        committed = mx.concatenate([drafts[:a], nxt])
-        self.head_hidden = self._head(committed, hidden[:, : a + 1])[:, -1:]
-        mx.async_eval(self.head_hidden)  # and the committed head rows while the caller handles this round
-        self.pending = nxt
+        self._trim_head(self.head_start + a + 1)
+        self.head_hidden = rows[:, a : a + 1]  # the last kept row drafts the next round
+        self.pending = mx.array([next_id], dtype=drafts.dtype)
         last = self.last_pass
         self.last_pass = LastPass(tapes, hidden, a + 1, last.hidden[:, last.committed - 1 : last.committed])
         self.generated += accepted + [next_id]
+        if len(self.generated) < self.params.max_tokens and self.eos.isdisjoint(accepted + [next_id]):
+            self.queue_drafts()  # not when this round ends the generation: no draft goes unverified
         return accepted, next_id
 
     def run(self, prompt: List[int], resume: Optional[Resume] = None,

@@ -6,24 +6,26 @@
 Method. The engine is not changed: `Profiled` subclasses speculative.engine.Speculator and wraps
 the calls `step` already makes, so each phase of a round ends at a call the engine makes anyway:
 
-    drafts        step entry -> `draft` returns (k head steps, draft lm_head, pick)
-    verify        -> `target.verify` returns (the k+1-token trunk pass)
-    acceptance    -> the round's host sync (`outcome`) returns (logits processors, the acceptance
-                     rule, reading the outcome to Python)
-    rollback      -> `_head` is entered after the sync (trunk cache trim, GDN commit, head cache trim)
-    head rebuild  -> `_head` returns (the committed rows of the head, from the trunk's hiddens)
+    verify        step entry -> `target.verify` returns (the k+1-token trunk pass over the drafts
+                  the previous round queued)
+    acceptance    -> `_head` is entered (logits processors, the acceptance rule)
+    head rows     -> the round's host sync (`outcome`) returns (the head's rows for every position
+                  the round may keep, and reading the outcome to Python)
+    rollback      -> `draft` is entered (trunk cache trim, GDN commit, head cache trim)
+    drafts        -> `draft` returns (the next round's k head steps, draft lm_head, pick)
     emit          -> the next `step` entry (bookkeeping, yielding the tokens, generate()'s loop)
 
 In the instrumented run every phase ends with a barrier: mx.eval of what the phase produced (the
-drafts; the verify logits and hiddens; the outcome; the trunk cache state; the head's output and
-cache) and mx.synchronize(). A phase's device time is the time spent blocked in that barrier; its
+verify logits and hiddens; the head rows' tokens, i.e. the acceptance; the head's output and cache
+and the outcome; the trunk cache state; the drafts) and mx.synchronize(). A phase's device time is the time spent blocked in that barrier; its
 host time is its wall time minus that, i.e. the Python graph building and bookkeeping the device
 could not overlap. The phases are contiguous, so they add up to the instrumented round's wall time.
 The blocked time also holds MLX's own dispatch of the graph (encoding on Metal, scheduling on the
 CPU backend), so "device" is an upper bound on compute and "host" a lower bound on Python work.
 
-Barriers change overlap: the engine queues the drafts (async_eval) while it builds the verify
-graph, and the head rebuild while the caller handles the tokens, and a barrier serializes both.
+Barriers change overlap: the engine queues the verify pass (async_eval) while it builds the
+acceptance and head-row graphs, and the next drafts while the caller handles the tokens and the
+next verify graph is built, and a barrier serializes them.
 So the instrumented round is longer than the real one. The tool therefore also times the same
 prompt without barriers (only a clock read at each `step` entry; identical tokens are checked)
 and reports, per depth, the uninstrumented round time, the model calls the cost model allows
@@ -54,7 +56,7 @@ from speculative.config import SamplingParams, SpecConfig  # noqa: E402
 from speculative.cost_model import cost_model  # noqa: E402
 from speculative.events import Round, Token  # noqa: E402
 
-PHASES = ("drafts", "verify", "acceptance", "rollback", "head rebuild", "emit")
+PHASES = ("verify", "acceptance", "head rows", "rollback", "drafts", "emit")
 
 
 def _arrays(x) -> list:
@@ -100,7 +102,7 @@ class Profiled(engine.Speculator):
             real = self.outcome
 
             def outcome(*arrays):
-                if self._phase != "acceptance":  # prefill's sync: not a round
+                if self._phase != "head rows":  # prefill's sync: not a round
                     return real(*arrays)
                 self._wait(arrays)
                 out = real(*arrays)
@@ -130,28 +132,33 @@ class Profiled(engine.Speculator):
             self._wait([])
             self._mark(None)
             self.rounds.append(self._record)
-        else:
+        else:  # the first round: its drafts are queued before its clock starts, as later rounds' are
+            if self.queued is None:
+                self.queue_drafts()
+            mx.eval(_arrays(self.queued))
             self._t = time.perf_counter()
         self._record = {p: [0.0, 0.0] for p in PHASES}
-        self._phase = "drafts"
+        self._phase = "verify"
         self.round_starts.append(self._t)
         return super().step()
 
     def draft(self, k: int):
+        if self.barriers and self._phase == "rollback":
+            self._wait([c.state for c in self.trunk_cache])
+            self._mark("drafts")
         out = super().draft(k)
         if self.barriers and self._phase == "drafts":
             self._wait(out)
-            self._mark("verify")
+            self._mark("emit")
         return out
 
     def _head(self, tokens, hidden):
-        if not (self.barriers and self._phase == "rollback"):
+        if not (self.barriers and self._phase == "acceptance"):
             return super()._head(tokens, hidden)  # prefill's rows and the draft recursion
-        self._wait([c.state for c in self.trunk_cache])
-        self._mark("head rebuild")
+        self._wait([tokens])  # the acceptance rule's outcome, which the rows' tokens are made of
+        self._mark("head rows")
         out = super()._head(tokens, hidden)
         self._wait([out] + [c.state for c in self.head_cache])
-        self._mark("emit")
         return out
 
 
