@@ -20,7 +20,7 @@ class ModelOptions:
     model: Optional[Path] = None  # None: $DYNO_MODEL, else the bundled dyno-tiny
     speculative: str = "auto"
     draft_depth: Union[int, str] = "auto"
-    draft_vocab: Optional[int] = None
+    draft_vocab: Union[int, str, None] = "auto"  # N, "auto" (draft_vocab.resolve picks N) or None: full
     mtp_head: Optional[str] = None
     mtp_head_bits: Optional[str] = None
     mtp_base: Optional[str] = None

@@ -131,7 +131,7 @@ class SpecConfig:
 
     mode: str = "auto"
     draft_depth: int = DEFAULT_DRAFT_DEPTH
-    draft_vocab: Optional[int] = None  # tokens the draft step scores (None: all; see draft_vocab.py)
+    draft_vocab: Union[int, str, None] = None  # tokens the draft step scores: N, "auto" or None (all); draft_vocab.py
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -140,5 +140,5 @@ class SpecConfig:
             raise DynoError(
                 f"draft depth must be an integer from 1 to {MAX_DRAFT_DEPTH}, got {self.draft_depth!r}"
             )
-        if self.draft_vocab is not None and (not isinstance(self.draft_vocab, int) or self.draft_vocab < 1):
-            raise DynoError(f"draft vocabulary must be a number of tokens >= 1 or full, got {self.draft_vocab!r}")
+        if self.draft_vocab not in (None, "auto") and (not isinstance(self.draft_vocab, int) or self.draft_vocab < 1):
+            raise DynoError(f"draft vocabulary must be a number of tokens >= 1, auto or full, got {self.draft_vocab!r}")

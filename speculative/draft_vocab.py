@@ -6,17 +6,37 @@ rows and leaves every other token at -inf. The verify pass keeps the full vocabu
 stays exact: a greedy draft is only a guess, and a sampled draft's q is the warped distribution
 over the subset (zero outside it), which the lossless rule handles like any other q.
 
-Ranking: byte-level BPE ids follow merge order, and merges are made most frequent first, so the
-lowest ids are the most frequent tokens; special and added tokens (end of turn, think and tool-call
-tags) are always kept whatever their id.
+Which tokens: the first N of the model's ranking (vocab_rank.py: by the mass the model puts on each
+token in its own continuations), and always the special and added tokens (end of turn, think and
+tool-call tags) whatever their rank. `auto` picks N from that ranking (auto_size).
 """
 
+import math
 import weakref
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
+
+from . import vocab_rank
 
 FULL = None  # no restriction: the draft step uses the whole lm_head
+AUTO = "auto"  # N from the ranking's counted mass (auto_size)
+# auto: the fewest tokens carrying AUTO_MASS of the mass the model put on its own continuations. On
+# dyno-tiny 0.9 (1,792 tokens) kept position-1 acceptance within 0.4 points of the full vocabulary on
+# every text measured, 0.82 (1,024) within 0.9: too thin a margin for a ranking from ~4,300 positions
+# (README, Draft vocabulary). Unmeasured on larger models, hence a floor of AUTO_MIN_SHARE of the
+# vocabulary (vocabulary-pruned draft heads keep 32K-98K of Qwen's 248K tokens: prior-art.md).
+# Rounded up to AUTO_STEP: a ranking from a few thousand positions is noisy by tens of tokens.
+AUTO_MASS = 0.9
+AUTO_MIN_SHARE = 1 / 8
+AUTO_STEP = 256
+# Past this share the model spreads its mass too evenly for the ranking to tell which tokens it will
+# write (random test models do): the whole vocabulary keeps acceptance.
+AUTO_MAX_SHARE = 0.75
+# Below this a byte-level vocabulary is mostly its 256 single bytes and ~30 special tokens: a subset has
+# little to leave out, so auto keeps the whole one without ranking it.
+AUTO_MIN_VOCAB = 1024
 
 _built: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target -> {size: DraftLMHead}
 
@@ -30,14 +50,26 @@ def special_ids(tokenizer, vocab: int) -> List[int]:
     return sorted(i for i in ids if isinstance(i, int) and 0 <= i < vocab)
 
 
-def ranked_ids(tokenizer, vocab: int, size: int) -> List[int]:
-    """The `size` draft token ids: every special token, then the lowest (most frequent) ids; sorted."""
+def ranked_ids(tokenizer, vocab: int, size: int, order: Optional[Sequence[int]] = None) -> List[int]:
+    """The `size` draft token ids: every special token, then the first of `order` (default: the
+    lowest ids, the earliest merges); sorted."""
     keep = set(special_ids(tokenizer, vocab))
-    for i in range(vocab):
+    for i in range(vocab) if order is None else order:
         if len(keep) >= size:
             break
-        keep.add(i)
+        keep.add(int(i))
     return sorted(keep)
+
+
+def auto_size(ranking: "vocab_rank.Ranking", vocab: int) -> Optional[int]:
+    """N for `auto` (see AUTO_MASS), or FULL: without counts (the id order says nothing of what the
+    model writes) or when N would pass AUTO_MAX_SHARE of the vocabulary."""
+    if ranking.mass is None:
+        return FULL
+    cumulative = np.cumsum(ranking.mass[ranking.order])
+    n = max(int(np.searchsorted(cumulative, AUTO_MASS * cumulative[-1])) + 1, math.ceil(AUTO_MIN_SHARE * vocab))
+    n = -(-n // AUTO_STEP) * AUTO_STEP
+    return n if n <= AUTO_MAX_SHARE * vocab else FULL
 
 
 class DraftLMHead:
@@ -68,19 +100,52 @@ class DraftLMHead:
         index = mx.broadcast_to(self.ids.astype(mx.int32), sub.shape)
         return mx.put_along_axis(full, index, sub, axis=-1)
 
+    def greedy(self, hidden: mx.array) -> mx.array:
+        """[B] greedy draft tokens from [B, H] hiddens: the argmax of __call__'s row without building
+        it (off-subset tokens are -inf there; ids are sorted, so ties still go to the lowest id)."""
+        return self.ids[mx.argmax(self.subset_logits(hidden), axis=-1)]
+
+
+def greedy_token(projection, hidden: mx.array) -> mx.array:
+    """[B] greedy draft tokens through `projection` (draft_lm_head's): a subset's without the full row."""
+    if isinstance(projection, DraftLMHead):
+        return projection.greedy(hidden)
+    return mx.argmax(projection(hidden), axis=-1)
+
 
 def lm_head_module(target):
     """The module whose rows are the vocabulary: the lm_head, or the embedding when tied."""
     return target.body.embed_tokens if target.args.tie_word_embeddings else target.text.lm_head
 
 
-def draft_lm_head(lm, size: Optional[int]):
-    """The draft step's vocabulary projection for `size` tokens (FULL or >= vocab: the trunk's own)."""
+def _whole(lm, size) -> bool:
+    """True when `size` leaves the trunk's lm_head as it is, without ranking anything."""
     vocab = lm.target.args.vocab_size
-    split = getattr(lm.target.text, "sharding_group", None) is not None  # tensor parallel: rows across ranks
-    if size is FULL or size >= vocab or split:
+    if size == AUTO:
+        return vocab < AUTO_MIN_VOCAB
+    # tensor parallel: the lm_head's rows are spread across ranks, a slice of them is no draft head
+    return size is FULL or size >= vocab or getattr(lm.target.text, "sharding_group", None) is not None
+
+
+def resolve(lm, requested, notify=None) -> Optional[int]:
+    """The number of draft tokens `requested` (N, FULL or AUTO) means for this model (None: all), with
+    its ranking loaded or derived now, so that the notices come while the model loads (to `notify`)."""
+    if lm.head is None or lm.target is None or _whole(lm, requested):
+        return FULL if requested == AUTO else requested
+    ranking = vocab_rank.ranking(lm, notify)
+    return auto_size(ranking, lm.target.args.vocab_size) if requested == AUTO else requested
+
+
+def draft_lm_head(lm, size):
+    """The draft step's vocabulary projection for `size` tokens (FULL or >= vocab: the trunk's own;
+    AUTO: auto_size's N)."""
+    vocab = lm.target.args.vocab_size
+    if size == AUTO:
+        size = FULL if _whole(lm, AUTO) else auto_size(vocab_rank.ranking(lm), vocab)
+    if _whole(lm, size):
         return lm.target.lm_head
     per_target = _built.setdefault(lm.target, {})
     if size not in per_target:  # slicing the rows copies them once per model and size
-        per_target[size] = DraftLMHead(lm_head_module(lm.target), ranked_ids(lm.tokenizer, vocab, size), vocab)
+        order = vocab_rank.ranking(lm).order
+        per_target[size] = DraftLMHead(lm_head_module(lm.target), ranked_ids(lm.tokenizer, vocab, size, order), vocab)
     return per_target[size]

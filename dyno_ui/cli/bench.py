@@ -12,7 +12,7 @@ from speculative.errors import DynoError
 from speculative.suites import SUITES, encode
 
 from ..paths import default_model
-from .common import draft_vocab
+from .common import DRAFT_VOCAB_HELP, draft_vocab, notify
 
 
 def add_commands(sub) -> None:
@@ -28,8 +28,7 @@ def add_commands(sub) -> None:
     b.add_argument("--top-k", type=int, default=20, help="top-k when T > 0 (default: %(default)s)")
     b.add_argument("--max-tokens", type=int, default=200)
     b.add_argument("--pairs", type=int, default=5, help="measured cycles per prompt (default: %(default)s)")
-    b.add_argument("--draft-vocab", type=draft_vocab, default=None, metavar="N|full",
-                   help="tokens the draft step scores (default: full)")
+    b.add_argument("--draft-vocab", type=draft_vocab, default="auto", metavar="N|auto|full", help=DRAFT_VOCAB_HELP)
     b.add_argument("--json", metavar="FILE", help="write the JSON record here")
     b.add_argument("--plot", metavar="FILE", help="write a Plotly chart (FILE.html, and FILE.png if kaleido works)")
     b.set_defaults(func=cmd_bench)
@@ -85,7 +84,8 @@ def _machine() -> dict:
 def cmd_bench(args) -> int:
     from speculative.bench import paired_benchmark
     from speculative.cost_model import cost_model, speedup_bound
-    from speculative.config import MAX_DRAFT_DEPTH, SamplingParams
+    from speculative.config import MAX_DRAFT_DEPTH, SamplingParams, SpecConfig
+    from speculative.draft_vocab import resolve
     from speculative.tuning import resolve_depth
     from speculative.loader import load_model
 
@@ -98,13 +98,16 @@ def cmd_bench(args) -> int:
         raise DynoError(f"--depths must be between 1 and {MAX_DRAFT_DEPTH}, got {args.depths!r}")
     if args.pairs < 1:
         raise DynoError(f"--pairs must be at least 1, got {args.pairs}")
+    SpecConfig("mtp", draft_vocab=args.draft_vocab)  # checked before anything loads
     lm = load_model(args.model or default_model(), mode="mtp", head_bits=args.mtp_head_bits)
+    vocab = resolve(lm, args.draft_vocab, notify)  # auto: the N it picks for this model (None: full)
     auto = resolve_depth(lm, "auto") if "auto" in names else None
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     record = {"machine": _machine(), "model": str(lm.path), "quantization": lm.config.get("quantization"),
               "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "settings": {"depths": depths, "auto_depth": auto, "temps": args.temp, "max_tokens": args.max_tokens, "pairs": args.pairs,
-                           "top_p": args.top_p, "top_k": args.top_k, "draft_vocab": args.draft_vocab},
+                           "top_p": args.top_p, "top_k": args.top_k, "draft_vocab": args.draft_vocab,
+                           "draft_vocab_tokens": vocab},
               "results": []}
     record["mtp_head"] = lm.head_memory.as_json()
     cost_depths = sorted(set(depths) | ({auto} if auto else set()))
@@ -116,10 +119,10 @@ def cmd_bench(args) -> int:
                                         top_k=args.top_k if temp else 0, max_tokens=args.max_tokens, seed=0)
                 print(f"[{suite}] T={temp} {item['prompt'][:40]!r}...", file=sys.stderr, flush=True)
                 res = paired_benchmark(lm, prompt, params, depths, pairs=args.pairs, auto_depth=auto,
-                                       draft_vocab=args.draft_vocab)
+                                       draft_vocab=vocab)
                 # Measured right after its pairs: this machine's speed drifts by tens of percent over
                 # minutes, so a bound from another moment would misstate the efficiency.
-                res["cost_model"] = cost_model(lm, prompt, cost_depths, draft_vocab=args.draft_vocab)
+                res["cost_model"] = cost_model(lm, prompt, cost_depths, draft_vocab=vocab)
                 record["results"].append({"suite": suite, "prompt": item["prompt"], "temperature": temp, **res})
     record["cost_model"] = _median_costs([r["cost_model"] for r in record["results"]])
     _add_bounds(record, speedup_bound)
@@ -170,8 +173,20 @@ def _aggregate(record):
                     "tps": med(lambda s: s["decode_tps"]["median"]), "tpr": med(lambda s: s["tokens_per_round"]),
                     "bound": med(lambda s: s.get("bound")), "efficiency": med(lambda s: s.get("efficiency")),
                     "identical": all(s["identical"] is not False for s in ss) if ss[0]["identical"] is not None else None,
-                    "acceptance": ss[0]["acceptance_by_position"]})
+                    "acceptance": _pooled_acceptance(ss)})
     return out
+
+
+def _pooled_acceptance(ss) -> list:
+    """Acceptance by position over every prompt's rounds (rounds = drafted / depth): a prompt that
+    ended early weighs by its rounds, as in tokens per round."""
+    rounds = [s["drafted"] / s["depth"] if s["depth"] else 0 for s in ss]
+    total = sum(rounds)
+    if not total:
+        return []
+    width = max(len(s["acceptance_by_position"]) for s in ss)
+    return [sum(r * s["acceptance_by_position"][i] for r, s in zip(rounds, ss) if i < len(s["acceptance_by_position"]))
+            / total for i in range(width)]
 
 
 def _print_table(record) -> None:

@@ -27,7 +27,20 @@ def int_or(word: str, value_for_word, what: str):
 
 
 draft_depth = int_or("auto", "auto", "an integer")  # --draft-depth
-draft_vocab = int_or("full", None, "a number of tokens")  # --draft-vocab: full is no restriction (None)
+DRAFT_VOCAB_HELP = ("tokens the draft step scores: N (the model's N likeliest, special tokens always kept), auto "
+                    "(N from the model's ranking; the whole vocabulary where a subset cannot pay; default) or full; "
+                    "output stays exact either way (README, Draft vocabulary)")
+
+
+def draft_vocab(value: str):
+    """--draft-vocab: full is no restriction (None), digits a number; anything else ("auto" and typos alike)
+    goes on to SpecConfig's check, which names what is allowed in one line."""
+    if value == "full":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return value
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -37,9 +50,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-depth", type=draft_depth, default="auto", metavar="K",
                    help=f"tokens drafted per round, 1..{MAX_DRAFT_DEPTH}, or auto: the depth `dyno tune` "
                         f"stored for this model and machine, else a cost-model estimate (default: auto)")
-    p.add_argument("--draft-vocab", type=draft_vocab, default=None, metavar="N|full",
-                   help="tokens the draft step scores: the N most frequent (special tokens always kept), or "
-                        "full (default); output stays exact either way (README, Draft vocabulary)")
+    p.add_argument("--draft-vocab", type=draft_vocab, default="auto", metavar="N|auto|full", help=DRAFT_VOCAB_HELP)
     p.add_argument("--mtp-head", metavar="DIR", help="a standalone MTP head folder to use")
     p.add_argument("--mtp-head-bits", metavar="{16,8,4}", help=HEAD_BITS_HELP)
     p.add_argument("--mtp-base", metavar="REPO",

@@ -36,6 +36,7 @@ def sampling_from(args, generation_config: dict) -> SamplingParams:
 
 def cmd_generate(args) -> int:
     from speculative import load_model
+    from speculative.draft_vocab import resolve
     from speculative.tuning import resolve_depth
 
     options = model_options(args)  # every flag checked before anything is loaded
@@ -47,7 +48,8 @@ def cmd_generate(args) -> int:
     if options.distributed:
         return _generate_split(args, options)
     lm = load_model(options.model or default_model(), **options.load_args(), notify=notify)
-    spec = SpecConfig(options.speculative, resolve_depth(lm, options.draft_depth), options.draft_vocab)
+    spec = SpecConfig(options.speculative, resolve_depth(lm, options.draft_depth),
+                      resolve(lm, options.draft_vocab, notify))
     from speculative import generate
 
     return _run(args, lm, spec, generate)
@@ -106,7 +108,8 @@ def _run(args, lm, spec, generate) -> int:
             "tokens": stats.tokens,
             "provenance": stats.provenance,
             "finish_reason": done.finish_reason,
-            "speculative": stats.speculative_json(),
+            # draft_vocab: the tokens the drafts scored (--draft-vocab auto resolved; null: all)
+            "speculative": {**stats.speculative_json(), "draft_vocab": spec.draft_vocab if stats.speculative else None},
             "timing": {"prefill_s": done.prefill_s, "decode_s": done.decode_s,
                        "decode_tokens_per_s": stats.decode_tokens_per_s},
         }))

@@ -138,6 +138,7 @@ class Sessions:
         head kept at `head_bits` (16, 8, 4; None or "auto": follow the trunk); `key`: the server's API key."""
         from speculative.loader import load_model
         from speculative.precision import parse_head_bits
+        from speculative.draft_vocab import AUTO, resolve
         from speculative.tuning import resolve_depth
 
         self.authorize(key)
@@ -147,7 +148,7 @@ class Sessions:
         def load():
             lm = load_model(folder, mode="auto", notify=notify, head_bits=head_bits)
             depth = resolve_depth(lm, "auto") if lm.head is not None else SpecConfig().draft_depth
-            return lm, SpecConfig("auto", depth)
+            return lm, SpecConfig("auto", depth, resolve(lm, AUTO, notify))  # the defaults, as `dyno serve`'s
 
         # Until the swap, API requests get a 503 "model loading"; one checked against the old model
         # but queued after the swap is failed by the worker (Job.lm), never served by the new one.

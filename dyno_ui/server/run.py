@@ -107,6 +107,7 @@ def run(options: ServeOptions) -> int:
     import uvicorn
 
     from speculative import distributed, load_model
+    from speculative.draft_vocab import resolve
     from speculative.tuning import resolve_depth
 
     from ..runtime.served import ServedModel
@@ -130,7 +131,7 @@ def run(options: ServeOptions) -> int:
             return lm, SpecConfig(mode, distributed.split_depth(lm, m.draft_depth), m.draft_vocab)
         lm = load_model(path, **m.load_args(mode), notify=notify)
         depth = resolve_depth(lm, m.draft_depth) if lm.head is not None else SpecConfig().draft_depth
-        return lm, SpecConfig(mode, depth, m.draft_vocab)
+        return lm, SpecConfig(mode, depth, resolve(lm, m.draft_vocab, notify))
 
     # Split across ranks: no prompt cache (each rank's store would evict by its own shard's bytes).
     worker = EngineWorker(load, decode_concurrency=options.decode_concurrency,

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from helpers.run import dyno, launched_dyno
+from helpers.run import dyno, launched_dyno, python
 
 from helpers import tiny_models
 from helpers.reference import plain_greedy
@@ -89,6 +89,9 @@ def bad_models(tmp_path_factory):
     (["--model", "{root}/nohead", "--min-p", "2"], "invalid sampling value: min_p must be in [0, 1], got 2.0"),
     (["--model", "{root}/nohead", "--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
     (["--model", "{root}/nohead", "--draft-depth", "9"], "draft depth must be an integer from 1 to 8, got 9"),
+    (["--model", "{root}/nohead", "--draft-vocab", "0"], "draft vocabulary must be a number of tokens >= 1, auto or full, got 0"),
+    (["--model", "{root}/nohead", "--draft-vocab", "most"],
+     "draft vocabulary must be a number of tokens >= 1, auto or full, got 'most'"),
     (["--model", "{root}/nohead", "--prompt", ""], "the prompt is empty"),
 ])
 def test_bad_input_one_line_exit_2(bad_models, args, message):
@@ -99,6 +102,31 @@ def test_bad_input_one_line_exit_2(bad_models, args, message):
     assert r.returncode == 2
     assert r.stderr == f"dyno: error: {message.format(root=bad_models)}\n"
     assert r.stdout == ""
+
+
+def test_generate_with_an_automatic_draft_vocabulary_is_plain_greedy():
+    from dyno_ui.paths import BUNDLED_MODEL
+
+    prompt = "def parse(text):\n"
+    runs = {v: dyno("generate", "--prompt", prompt, "--max-tokens", "40", "--temp", "0", "--speculative", "mtp",
+                    "--draft-depth", "2", "--json", *(["--draft-vocab", v] if v else []))
+            for v in ("auto", None, "full")}
+    for r in runs.values():
+        assert r.returncode == 0, r.stderr
+    out = {v: json.loads(r.stdout) for v, r in runs.items()}
+    lm = load_model(BUNDLED_MODEL)
+    assert out["auto"]["tokens"] == plain_greedy(lm, lm.tokenizer.encode(prompt), 40) == out["full"]["tokens"]
+    # the bundled model ships its ranking: auto is a subset from the first run, the default, and no notice
+    assert out["auto"]["speculative"]["draft_vocab"] == out[None]["speculative"]["draft_vocab"] == 1792
+    assert out["full"]["speculative"]["draft_vocab"] is None and "draft vocabulary" not in runs["auto"].stderr
+
+
+@pytest.mark.parametrize("command", [["serve"], ["bench"], ["app.py"]])
+def test_a_bad_draft_vocabulary_is_one_line_exit_2_everywhere(command):
+    args = ["--draft-vocab", "most"]
+    r = python("app.py", *args) if command == ["app.py"] else dyno(*command, *args)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == "dyno: error: draft vocabulary must be a number of tokens >= 1, auto or full, got 'most'\n"
 
 
 def test_argparse_errors_exit_2():

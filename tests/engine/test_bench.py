@@ -81,3 +81,17 @@ def test_bench_json_record(tiny_dir, tmp_path):
 def test_bench_bad_depths():
     r = dyno("bench", "--depths", "a,b", timeout=120)
     assert r.returncode == 2 and r.stderr == "dyno: error: --depths must be comma-separated integers or auto, got 'a,b'\n"
+
+
+def test_table_pools_acceptance_over_prompts():
+    """The table's acceptance by position weighs each prompt by its rounds (not the first prompt's)."""
+    from dyno_ui.cli.bench import _aggregate
+
+    def setting(rounds, acceptance):
+        return {"depth": 2, "drafted": 2 * rounds, "acceptance_by_position": acceptance, "tokens_per_round": 2.0,
+                "ratio": {"median": 1.0, "min": 1.0, "max": 1.0}, "decode_tps": {"median": 1.0}, "identical": True}
+
+    record = {"results": [{"suite": "code", "temperature": 0.0, "settings": {"mtp@2": setting(10, [1.0, 0.5])}},
+                          {"suite": "code", "temperature": 0.0, "settings": {"mtp@2": setting(30, [0.5, 0.1])}}]}
+    (row,) = _aggregate(record)
+    assert row["acceptance"] == pytest.approx([(10 * 1.0 + 30 * 0.5) / 40, (10 * 0.5 + 30 * 0.1) / 40])
