@@ -11,7 +11,7 @@ from typing import Dict, Optional, Sequence
 import mlx.core as mx
 
 from .cache import restore, snapshot
-from .draft_vocab import draft_lm_head
+from .draft_vocab import draft_lm_head, greedy_token
 from .loader import LoadedModel
 
 
@@ -89,7 +89,7 @@ def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], re
     def draft():
         out = head(target.embed(last), g, head_cache)
         head_cache[0].trim(head_cache[0].offset - offset)
-        return mx.argmax(draft_projection(out[:, -1]), axis=-1)
+        return greedy_token(draft_projection, out[:, -1])  # as a greedy draft picks
 
     t = interleaved({"T1": step, "Td": draft, **{k: verify(k) for k in depths}}, reps, burst)
     return {"T1": t["T1"], "Tv": {k: t[k] for k in depths}, "Td": t["Td"]}

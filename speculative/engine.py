@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .cache import GDNTape, rollback
 from .config import SamplingParams, SpecConfig
-from .draft_vocab import draft_lm_head
+from .draft_vocab import draft_lm_head, greedy_token
 from .errors import DynoError
 from .events import Done, Provenance, Round, Token
 from .loader import LoadedModel
@@ -271,10 +271,13 @@ class Speculator:
         g = self.head_hidden  # head post-norm output of the last committed row
         history = self._history() if self.processors else None
         for j in range(k):
-            logits = self.draft_lm_head(g[:, -1])
-            if history is not None:  # draft j follows the committed tokens and drafts 0..j-1
-                logits = self.processors.row(logits, history, mx.concatenate(drafts) if drafts else None)
-            d, q = self._pick(logits)
+            if history is None and self.params.greedy:  # the pick needs no full-width row
+                d, q = greedy_token(self.draft_lm_head, g[:, -1]), None
+            else:
+                logits = self.draft_lm_head(g[:, -1])
+                if history is not None:  # draft j follows the committed tokens and drafts 0..j-1
+                    logits = self.processors.row(logits, history, mx.concatenate(drafts) if drafts else None)
+                d, q = self._pick(logits)
             drafts.append(d)
             draft_probs.append(q)
             if j + 1 < k:  # recurse: the draft token with the head's own output, position + 1
