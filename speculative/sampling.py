@@ -57,7 +57,7 @@ def draft_params(params: SamplingParams, vocab: int) -> SamplingParams:
     (mtp-reference.md), so q need not be p's warp: with top-k bounding the support, top-p's sort
     of the whole vocabulary changes q only in the last few tokens, and drafts skip it (position-1
     acceptance on the bundled model, teacher-forced over the four suites: 0.6755 either way at
-    T=0.6, 0.6513 against 0.6505 at T=1.0)."""
+    T=0.6, 0.6513 against 0.6505 at T=1.0; tools/draft_warp.py)."""
     if effective_top_k(params, vocab) and params.top_p < 1.0:
         return dataclasses.replace(params, top_p=1.0)
     return params
