@@ -141,7 +141,7 @@ def draft_lm_head(lm, size):
     AUTO: auto_size's N)."""
     vocab = lm.target.args.vocab_size
     if size == AUTO:
-        size = FULL if _whole(lm, AUTO) else auto_size(vocab_rank.ranking(lm), vocab)
+        size = resolve(lm, AUTO)
     if _whole(lm, size):
         return lm.target.lm_head
     per_target = _built.setdefault(lm.target, {})
