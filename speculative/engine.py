@@ -367,8 +367,7 @@ class Speculator:
         # The caches hold `committed` tokens of that pass; the tapes restore any prefix of it.
         rollback(self.trunk_cache, tapes, fed=committed, consumed=keep)
         tokens = tuple(self.prompt + self.generated[: emitted - 1])
-        for c in self.head_cache:  # one row short: that row pairs the last position with the next token
-            c.trim(c.offset - (len(tokens) - 1))
+        self._trim_head(len(tokens) - 1)  # one row short: that row pairs the last position with the next token
         last_hidden = hidden[:, keep - 1 : keep] if keep else before
         head = self.head_cache if last_hidden is not None else None  # no hidden: its open row cannot be built
         return PrefixEntry(tokens, self.trunk_cache, head, last_hidden,
