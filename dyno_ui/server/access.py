@@ -2,7 +2,7 @@
 
 import hmac
 import ipaddress
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 
 from ..runtime.errors import ApiError
-from .errors import Envelope
+from .errors import Chooser
 
 API_PREFIX = "/v1"  # every API route; /health, /stats, /metrics and the playground stay outside
 
@@ -30,7 +30,7 @@ class RequireKey:
     """ASGI middleware: a request under /v1 without the key, as `Authorization: Bearer KEY` or as
     `x-api-key: KEY` (Anthropic's clients), gets a 401 in its API's envelope."""
 
-    def __init__(self, app, key: str, envelope_for: Callable[[str], Envelope]):
+    def __init__(self, app, key: str, envelope_for: Chooser):
         self.app, self.key, self.envelope_for = app, key, envelope_for
 
     async def __call__(self, scope, receive, send):
@@ -40,7 +40,7 @@ class RequireKey:
             if not any(key_matches(self.key, g) for g in given):
                 err = ApiError(401, "Invalid or missing API key: send it as 'Authorization: Bearer KEY' or "
                                     "'x-api-key: KEY'", code="invalid_api_key")
-                response = JSONResponse(self.envelope_for(scope["path"])(err), status_code=401,
+                response = JSONResponse(self.envelope_for(scope["path"], headers)(err), status_code=401,
                                         headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
@@ -48,7 +48,7 @@ class RequireKey:
 
 
 def add_access(app: FastAPI, api_key: Optional[str], allowed_origins: Sequence[str],
-               envelope_for: Callable[[str], Envelope]) -> None:
+               envelope_for: Chooser) -> None:
     """The key check inside CORS: a preflight is answered before any key is asked for, and a 401
     still carries the CORS headers a browser needs to read it."""
     if api_key:

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..options import ServeOptions
 from ..runtime.served import ServedModel
+from . import models
 from .access import add_access
 from .anthropic import routes as anthropic_routes
 from .anthropic.schema import error_response as anthropic_error
@@ -23,8 +24,10 @@ def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES,
     (the key, browser origins); the names requests may use are `served.names`."""
     app = FastAPI(title="Dyno", version="0.1.0")
     app.state.served = served
+    anthropic_envelope = lambda err: anthropic_error(err).model_dump()  # noqa: E731
     envelope_for = add_error_handlers(app, lambda err: error_response(err).model_dump(),
-                                      {anthropic_routes.PREFIX: lambda err: anthropic_error(err).model_dump()})
+                                      by_path={anthropic_routes.PREFIX: anthropic_envelope},
+                                      by_header={models.ANTHROPIC_HEADER: anthropic_envelope})
     metrics = served.worker.metrics
 
     @app.get("/health")
@@ -42,6 +45,7 @@ def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES,
     def prometheus():
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    models.add_routes(app, served)
     openai_routes.add_routes(app, served, max_body_bytes)
     anthropic_routes.add_routes(app, served, max_body_bytes)
     add_access(app, options.api_key, options.allowed_origins, envelope_for)

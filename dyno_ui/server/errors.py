@@ -51,27 +51,33 @@ def validation_error(errors) -> ApiError:
     return ApiError(400, f"{param}: {first['msg']}" if param else str(first["msg"]), param=param)
 
 
-def envelope_chooser(default: Envelope, by_path: Optional[Mapping[str, Envelope]] = None) -> Callable[[str], Envelope]:
-    """The envelope for a request path: the one registered for the path (or a path under it), else `default`."""
+Chooser = Callable[[str, Mapping[str, str]], Envelope]
+
+
+def envelope_chooser(default: Envelope, by_path: Optional[Mapping[str, Envelope]] = None,
+                     by_header: Optional[Mapping[str, Envelope]] = None) -> Chooser:
+    """The envelope for a request's path and headers: the one registered for the path (or a path under
+    it), else the one for a header the request carries, else `default`."""
     prefixes = sorted((by_path or {}).items(), key=lambda kv: -len(kv[0]))  # the most specific first
 
-    def choose(path: str) -> Envelope:
+    def choose(path: str, headers: Mapping[str, str]) -> Envelope:
         for prefix, envelope in prefixes:
             if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
                 return envelope
-        return default
+        return next((envelope for name, envelope in (by_header or {}).items() if name in headers), default)
 
     return choose
 
 
-def add_error_handlers(app: FastAPI, envelope: Envelope,
-                       by_path: Optional[Mapping[str, Envelope]] = None) -> Callable[[str], Envelope]:
+def add_error_handlers(app: FastAPI, envelope: Envelope, by_path: Optional[Mapping[str, Envelope]] = None,
+                       by_header: Optional[Mapping[str, Envelope]] = None) -> Chooser:
     """Every error leaves as its API's envelope with its status: `by_path`'s for paths under one of its
-    prefixes (the Anthropic routes), `envelope` for the rest. Returns the chooser (the key check uses it)."""
-    choose = envelope_chooser(envelope, by_path)
+    prefixes (the Anthropic routes), `by_header`'s for a request with that header (an Anthropic client
+    on a path both APIs share), `envelope` for the rest. Returns the chooser (the key check uses it)."""
+    choose = envelope_chooser(envelope, by_path, by_header)
 
     def respond(request: Request, err: ApiError) -> JSONResponse:
-        return JSONResponse(choose(request.url.path)(err), status_code=err.status)
+        return JSONResponse(choose(request.url.path, request.headers)(err), status_code=err.status)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):

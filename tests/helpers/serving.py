@@ -36,8 +36,8 @@ class Running:
 
         return anthropic.Anthropic(base_url=self.url, api_key=api_key, max_retries=0, timeout=120)
 
-    def get(self, path: str):
-        return httpx.get(self.url + path, timeout=30)
+    def get(self, path: str, **kw):
+        return httpx.get(self.url + path, timeout=30, **kw)
 
     def post(self, path: str, **kw):
         return httpx.post(self.url + path, timeout=120, **kw)

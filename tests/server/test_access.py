@@ -110,6 +110,23 @@ def test_served_model_names(server):
     assert "'tiny', 'qwen-local', 'claude-local'" in e.value.body["error"]["message"]
     assert server.served.ids == [MODEL_ID, "qwen-local", "claude-local"]
     assert [m.id for m in client.models.list().data] == [MODEL_ID, "qwen-local", "claude-local"]
+    assert client.models.retrieve("qwen-local").id == "qwen-local"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+    # Anthropic's client pages with a cursor: one id per page here walks all three, in order.
+    pages = server.anthropic(KEY).models.list(limit=1)
+    assert [m.id for m in pages] == [MODEL_ID, "qwen-local", "claude-local"]
+    first = server.anthropic(KEY).models.list(limit=2)
+    assert (first.has_more, first.first_id, first.last_id) == (True, MODEL_ID, "qwen-local")
+    back = server.anthropic(KEY).models.list(limit=5, before_id="claude-local")
+    assert [m.id for m in back.data] == [MODEL_ID, "qwen-local"] and not back.has_more
+
+
+def test_anthropic_clients_get_their_401_on_the_shared_models_route(server):
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        server.anthropic("wrong").models.list()
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
 
 
 def test_playground_model_loading_needs_the_key(server):

@@ -285,3 +285,19 @@ def test_a_job_the_engine_fails_is_an_error_response_or_an_error_event(tiny_dir)
                                                            "message": "the server is shutting down"}}
         with pytest.raises(anthropic.APIStatusError, match="overloaded_error"):
             list(server.anthropic().messages.create(stream=True, **body))
+
+
+def test_models_list_and_retrieve_in_anthropics_shape(server, client):
+    """Both SDKs ask GET /v1/models; Anthropic's (it sends anthropic-version) gets its own shape."""
+    page = client.models.list()
+    assert [(m.type, m.id, m.display_name) for m in page.data] == [("model", MODEL_ID, MODEL_ID)]
+    assert (page.has_more, page.first_id, page.last_id) == (False, MODEL_ID, MODEL_ID)
+    assert page.data[0].created_at.timestamp() == server.served.created
+    assert client.models.retrieve(MODEL_ID).id == MODEL_ID
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.models.retrieve("claude-opus-4")
+    assert e.value.body == {"type": "error", "error": {"type": "not_found_error", "message":
+                            f"The model 'claude-opus-4' does not exist; this server serves '{MODEL_ID}'"}}
+    headers = {"anthropic-version": "2023-06-01"}
+    assert error_of(server.get("/v1/models?after_id=nope", headers=headers))[:2] == (400, "invalid_request_error")
+    assert error_of(server.get("/v1/models?limit=0", headers=headers))[:2] == (400, "invalid_request_error")

@@ -251,6 +251,22 @@ class CountTokensResponse(BaseModel):
     input_tokens: int
 
 
+class ModelInfo(BaseModel):
+    type: Literal["model"] = "model"
+    id: str
+    display_name: str
+    created_at: str  # RFC 3339
+
+
+class ModelPage(BaseModel):
+    """GET /v1/models as Anthropic's clients read it: one page, with the ids that bound it."""
+
+    data: List[ModelInfo]
+    has_more: bool
+    first_id: Optional[str]
+    last_id: Optional[str]
+
+
 # ---- stream events -------------------------------------------------------------------------
 
 

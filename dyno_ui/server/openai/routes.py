@@ -1,4 +1,4 @@
-"""The OpenAI routes: /v1/models, /v1/chat/completions, /v1/completions. They only translate."""
+"""The OpenAI routes: /v1/chat/completions, /v1/completions (/v1/models: server/models.py). They only translate."""
 
 import asyncio
 
@@ -13,10 +13,6 @@ from . import schema as api
 
 
 def add_routes(app: FastAPI, served: ServedModel, max_body_bytes: int) -> None:
-    @app.get("/v1/models")
-    def models() -> api.ModelList:
-        return api.ModelList(data=[api.ModelCard(id=i, created=served.created) for i in served.ids])
-
     async def answer(request: Request, kind, make_job, events, response):
         """Read and check the body, queue its job; stream the outputs as SSE or fold them into one response."""
         req = await read_request(request, kind, max_body_bytes)
