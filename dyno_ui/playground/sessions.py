@@ -4,7 +4,6 @@ Callbacks run on Gradio's pooled threads; everything that touches MLX goes to th
 as a traced Job or through `worker.call`. One job per browser session can be stopped.
 """
 
-import hmac
 import queue
 import resource
 import sys
@@ -16,6 +15,7 @@ from speculative.config import SamplingParams, SpecConfig
 from speculative.errors import DynoError
 
 from ..paths import local_folders
+from ..runtime.keys import key_matches
 from ..runtime.served import ServedModel, chat_job
 from ..runtime.worker import Job
 from .trace import Trace
@@ -129,7 +129,7 @@ class Sessions:
 
     def authorize(self, key: Optional[str]) -> None:
         """Model management (a swap stops the API for every client) needs the server's key, when it has one."""
-        if self.api_key and not hmac.compare_digest(self.api_key.encode(), (key or "").encode()):
+        if self.api_key and not key_matches(self.api_key, key):
             raise DynoError("this server requires its API key (--api-key) to load models or fetch heads: "
                             "type it in the API key box")
 

@@ -1,6 +1,5 @@
 """Who may call the API: the key on /v1/* (401 in the caller's API shape) and browser origins (CORS)."""
 
-import hmac
 import ipaddress
 from typing import Optional, Sequence
 
@@ -10,14 +9,10 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 
 from ..runtime.errors import ApiError
+from ..runtime.keys import key_matches
 from .errors import Chooser
 
 API_PREFIX = "/v1"  # every API route; /health, /stats, /metrics and the playground stay outside
-
-
-def key_matches(expected: str, given: Optional[str]) -> bool:
-    """True when `given` is the key (compared in constant time)."""
-    return given is not None and hmac.compare_digest(expected.encode(), given.encode())
 
 
 def bearer(authorization: Optional[str]) -> Optional[str]:
