@@ -66,8 +66,10 @@ class ServedModel:
 
 
 def chat_prompt(lm: LoadedModel, messages: List[dict], template_kwargs: Optional[dict],
-                tools: Optional[List[dict]] = None) -> List[int]:
-    """Token ids of `messages` (and the `tools` offered) through the tokenizer's chat template, ready for the answer."""
+                tools: Optional[List[dict]] = None, prefill: str = "") -> List[int]:
+    """Token ids of `messages` (and the `tools` offered) through the tokenizer's chat template, ready for the
+    answer; `prefill`: the answer's start, written after the template's generation prompt (the answer
+    continues it)."""
     kwargs = template_kwargs or {}
     if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs)):
         raise ApiError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the server",
@@ -75,9 +77,15 @@ def chat_prompt(lm: LoadedModel, messages: List[dict], template_kwargs: Optional
     if tools:
         kwargs = {**kwargs, "tools": tools}
     try:
-        return list(lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs))
+        if not prefill:
+            return list(lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         **kwargs))
+        text = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as e:  # jinja errors, bad kwargs: the request's fault
         raise ApiError(400, f"cannot apply the chat template: {one_line(e)}", param="messages") from None
+    # One string, tokenized as the template's own tokens are: the prefill's first token may merge
+    # with the prompt's last, as it would in a prompt written out whole.
+    return list(lm.tokenizer.encode(text + prefill, add_special_tokens=False))
 
 
 def checked_sampling(lm: LoadedModel, prompt: Sequence[int], field: str,

@@ -75,6 +75,29 @@ def test_text_equals_plain_decoding_with_drafting_on(server, client):
     assert after["speculative"]["accepted_tokens"] > before["speculative"]["accepted_tokens"]
 
 
+def test_prefill_is_continued_exactly_with_drafting_on(server, client):
+    """A final assistant message is the answer's start: the reply is plain greedy decoding of the
+    template's prompt with that text written after it, and holds only what follows."""
+    lm = server.served.lm
+    prefill = "class Stack:\n    def"
+    text = lm.tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    prompt = list(lm.tokenizer.encode(text + prefill, add_special_tokens=False))
+    assert prompt[: len(template(lm, ASK))] == template(lm, ASK)  # the template's tokens, then the prefill's
+    reference = plain_greedy(lm, prompt, 40)
+    messages = ASK + [{"role": "assistant", "content": [{"type": "text", "text": "class Stack:\n"},
+                                                        {"type": "text", "text": "    def"}]}]
+    message = client.messages.create(model=MODEL_ID, max_tokens=40, messages=messages, thinking=NO_THINKING,
+                                     extra_body=GREEDY)
+    assert [b.type for b in message.content] == ["text"]
+    assert message.content[0].text == detokenize(lm, reference)
+    assert message.usage.input_tokens == len(prompt)
+    with client.messages.stream(model=MODEL_ID, max_tokens=40, messages=messages, thinking=NO_THINKING,
+                                extra_body=GREEDY) as stream:
+        assert "".join(stream.text_stream) == detokenize(lm, reference)
+    counted = client.messages.count_tokens(model=MODEL_ID, messages=messages, thinking=NO_THINKING)
+    assert counted.input_tokens == len(prompt)
+
+
 def test_stream_sends_the_documented_event_sequence(server, client):
     kw = dict(model=MODEL_ID, max_tokens=30, system=SYSTEM, messages=ASK, thinking=NO_THINKING, extra_body=GREEDY)
     whole = client.messages.create(**kw)
@@ -241,13 +264,19 @@ def error_of(response: httpx.Response) -> tuple:
     ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "tool",
                                                                                           "name": "nope"}},
      400, "invalid_request_error", "'nope'"),
-    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK + [{"role": "assistant", "content": "class"}]},
-     400, "invalid_request_error", "prefill"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK + [{"role": "assistant", "content": "class "}]},
+     400, "invalid_request_error", "trailing whitespace"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK + [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]}],
+      "tools": TOOLS}, 400, "invalid_request_error", "text blocks only"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK + [{"role": "assistant", "content": "class"}],
+      "tools": TOOLS, "tool_choice": {"type": "any"}}, 400, "invalid_request_error", "forced tool_choice"),
     ({"model": MODEL_ID, "max_tokens": 5, "messages": [{"role": "user", "content": "y" * 5000}]}, 400,
      "invalid_request_error", "maximum context length"),
     ({"model": "claude-opus-4", "max_tokens": 5, "messages": ASK}, 404, "not_found_error", "claude-opus-4"),
 ], ids=["no max_tokens", "temperature", "image block", "server tool", "any without tools", "unknown tool",
-        "prefill", "too long", "unknown model"])
+        "prefill with trailing space", "prefill with a tool call", "prefill with a forced call", "too long",
+        "unknown model"])
 def test_errors_are_anthropic_shaped(server, body, status, kind, says):
     got = error_of(server.post("/v1/messages", json=body))
     assert got[:2] == (status, kind) and says in got[2]

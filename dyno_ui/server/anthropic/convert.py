@@ -28,10 +28,11 @@ from . import schema as api
 # ---- requests ------------------------------------------------------------------------------
 
 
-def template_messages(req: api.Conversation) -> List[dict]:
-    """The conversation as chat-template messages (OpenAI's shape, which Qwen's templates read)."""
+def template_messages(req: api.Conversation, messages: Optional[List[api.Message]] = None) -> List[dict]:
+    """The conversation (`messages`, else the request's) as chat-template messages (OpenAI's shape,
+    which Qwen's templates read)."""
     out = [{"role": "system", "content": req.system_text()}] if req.system is not None else []
-    for message in req.messages:
+    for message in req.messages if messages is None else messages:
         if message.role == "assistant":
             out.append(_assistant(message.blocks()))
             continue
@@ -84,14 +85,18 @@ class Prompt:
 def prompt_for(served: ServedModel, req: api.Conversation) -> Prompt:
     """Pick the model, check the tools, and apply the chat template (with the tools when they may be called)."""
     _, lm = served.current(req.model)
-    if req.messages[-1].role == "assistant":
-        raise ApiError(400, "messages: a final assistant message (prefill) is not supported; end with a user "
-                            "message", param="messages")
+    messages, prefill = req.messages, prefill_text(req)
+    if prefill:
+        messages = messages[:-1]
     tools = template_tools(req.tools)
     choice = req.tool_choice.model_dump() if req.tool_choice else {"type": "auto"}
     if req.tool_choice is not None and req.tool_choice.forced and not tools:
         raise ApiError(400, f"tool_choice: {req.tool_choice.type!r} requires a tool call but no tools were given",
                        param="tool_choice")
+    if prefill and ((req.tool_choice is not None and req.tool_choice.forced)
+                    or req.output_schema is not None):
+        raise ApiError(400, "messages: a final assistant message (prefill) cannot be combined with a forced "
+                            "tool_choice or output_config.format, whose grammar starts the answer", param="messages")
     with bad_request("tools"):
         runtime_tools.check_tools(lm, tools, choice)
     kwargs = {}
@@ -99,8 +104,27 @@ def prompt_for(served: ServedModel, req: api.Conversation) -> Prompt:
         kwargs["enable_thinking"] = req.thinking.type == "enabled"
     # tool_choice none: the model is not told about tools (as the OpenAI routes do for "none").
     offered = tools if runtime_tools.calls_allowed(tools, choice) else None
-    tokens = runtime.chat_prompt(lm, template_messages(req), kwargs, offered)
+    tokens = runtime.chat_prompt(lm, template_messages(req, messages), kwargs, offered, prefill)
     return Prompt(req.model, lm, tokens, tools, choice)
+
+
+def prefill_text(req: api.Conversation) -> str:
+    """The text of a final assistant message, which the answer continues (Anthropic's prefill); "" if none.
+
+    As Anthropic's API: text blocks only, and no trailing whitespace (a model continues a word, or
+    starts one after a space it writes itself)."""
+    last = req.messages[-1]
+    if last.role != "assistant":
+        return ""
+    blocks = last.blocks()
+    if not all(isinstance(b, api.TextBlock) for b in blocks):
+        raise ApiError(400, "messages: a final assistant message (prefill) may hold text blocks only",
+                       param="messages")
+    text = "".join(b.text for b in blocks)
+    if text != text.rstrip():
+        raise ApiError(400, "messages: final assistant content cannot end with trailing whitespace",
+                       param="messages")
+    return text
 
 
 def count_tokens(served: ServedModel, req: api.CountTokensRequest) -> int:
