@@ -85,9 +85,9 @@ class Prompt:
 def prompt_for(served: ServedModel, req: api.Conversation) -> Prompt:
     """Pick the model, check the tools, and apply the chat template (with the tools when they may be called)."""
     _, lm = served.current(req.model)
-    messages, prefill = req.messages, prefill_text(req)
-    if prefill:
-        messages = messages[:-1]
+    prefill = prefill_text(req)
+    # A final assistant message is the answer's start, not a turn (empty: the answer starts afresh).
+    messages = req.messages[:-1] if req.messages[-1].role == "assistant" else req.messages
     tools = template_tools(req.tools)
     choice = req.tool_choice.model_dump() if req.tool_choice else {"type": "auto"}
     if req.tool_choice is not None and req.tool_choice.forced and not tools:
