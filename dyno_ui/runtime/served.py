@@ -54,10 +54,14 @@ class ServedModel:
         with self._swap:
             served_id, lm = self.id, self.lm
         if requested is not None and requested != served_id and requested not in self.names:
-            served = "', '".join([served_id, *self.names])
-            raise ApiError(404, f"The model '{requested}' does not exist; this server serves "
-                                f"'{served}'", param="model", code="model_not_found")
+            raise self.not_found(requested)
         return served_id, lm
+
+    def not_found(self, requested: str) -> ApiError:
+        """The 404 for a model id this server does not serve, listing the ids it does."""
+        served = "', '".join(self.ids)
+        return ApiError(404, f"The model '{requested}' does not exist; this server serves '{served}'",
+                        param="model", code="model_not_found")
 
     def defaults(self, lm: Optional[LoadedModel] = None) -> SamplingParams:
         """The model's generation_config sampling values (greedy where it has none)."""

@@ -10,7 +10,7 @@ from starlette.datastructures import Headers
 
 from ..runtime.errors import ApiError
 from ..runtime.keys import key_matches
-from .errors import Chooser
+from .errors import Chooser, under
 
 API_PREFIX = "/v1"  # every API route; /health, /stats, /metrics and the playground stay outside
 
@@ -29,7 +29,7 @@ class RequireKey:
         self.app, self.key, self.envelope_for = app, key, envelope_for
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and _under(scope["path"], API_PREFIX):
+        if scope["type"] == "http" and under(scope["path"], API_PREFIX):
             headers = Headers(scope=scope)
             given = (headers.get("x-api-key"), bearer(headers.get("authorization")))
             if not any(key_matches(self.key, g) for g in given):
@@ -62,7 +62,3 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def _under(path: str, prefix: str) -> bool:
-    return path == prefix or path.startswith(prefix + "/")

@@ -27,7 +27,7 @@ def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES,
     anthropic_envelope = lambda err: anthropic_error(err).model_dump()  # noqa: E731
     envelope_for = add_error_handlers(app, lambda err: error_response(err).model_dump(),
                                       by_path={anthropic_routes.PREFIX: anthropic_envelope},
-                                      by_header={models.ANTHROPIC_HEADER: anthropic_envelope})
+                                      by_header={models.PREFIX: (models.ANTHROPIC_HEADER, anthropic_envelope)})
     metrics = served.worker.metrics
 
     @app.get("/health")

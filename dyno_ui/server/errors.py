@@ -2,7 +2,7 @@
 
 import json
 import logging
-from typing import Callable, Mapping, Optional, Type, TypeVar
+from typing import Callable, Mapping, Optional, Tuple, Type, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -54,26 +54,34 @@ def validation_error(errors) -> ApiError:
 Chooser = Callable[[str, Mapping[str, str]], Envelope]
 
 
+def under(path: str, prefix: str) -> bool:
+    """`path` is `prefix` or a path below it."""
+    return path == prefix or path.startswith(prefix.rstrip("/") + "/")
+
+
 def envelope_chooser(default: Envelope, by_path: Optional[Mapping[str, Envelope]] = None,
-                     by_header: Optional[Mapping[str, Envelope]] = None) -> Chooser:
+                     by_header: Optional[Mapping[str, Tuple[str, Envelope]]] = None) -> Chooser:
     """The envelope for a request's path and headers: the one registered for the path (or a path under
-    it), else the one for a header the request carries, else `default`."""
+    it); on a path `by_header` names, its envelope when the request carries its header; else `default`."""
     prefixes = sorted((by_path or {}).items(), key=lambda kv: -len(kv[0]))  # the most specific first
 
     def choose(path: str, headers: Mapping[str, str]) -> Envelope:
         for prefix, envelope in prefixes:
-            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+            if under(path, prefix):
                 return envelope
-        return next((envelope for name, envelope in (by_header or {}).items() if name in headers), default)
+        for prefix, (header, envelope) in (by_header or {}).items():
+            if under(path, prefix) and header in headers:
+                return envelope
+        return default
 
     return choose
 
 
 def add_error_handlers(app: FastAPI, envelope: Envelope, by_path: Optional[Mapping[str, Envelope]] = None,
-                       by_header: Optional[Mapping[str, Envelope]] = None) -> Chooser:
+                       by_header: Optional[Mapping[str, Tuple[str, Envelope]]] = None) -> Chooser:
     """Every error leaves as its API's envelope with its status: `by_path`'s for paths under one of its
-    prefixes (the Anthropic routes), `by_header`'s for a request with that header (an Anthropic client
-    on a path both APIs share), `envelope` for the rest. Returns the chooser (the key check uses it)."""
+    prefixes (the Anthropic routes), `by_header`'s on a path both APIs share for a request with that
+    header (an Anthropic client), `envelope` for the rest. Returns the chooser (the key check uses it)."""
     choose = envelope_chooser(envelope, by_path, by_header)
 
     def respond(request: Request, err: ApiError) -> JSONResponse:

@@ -96,6 +96,17 @@ def test_prefill_is_continued_exactly_with_drafting_on(server, client):
         assert "".join(stream.text_stream) == detokenize(lm, reference)
     counted = client.messages.count_tokens(model=MODEL_ID, messages=messages, thinking=NO_THINKING)
     assert counted.input_tokens == len(prompt)
+    # Without a thinking field dyno-tiny's template opens a think block; a prefill closes it first.
+    default = client.messages.create(model=MODEL_ID, max_tokens=40, messages=messages, extra_body=GREEDY)
+    assert [(b.type, b.text) for b in default.content] == [("text", detokenize(lm, reference))]
+
+
+def test_an_empty_final_assistant_message_starts_the_answer_afresh(server, client):
+    lm = server.served.lm
+    reference = plain_greedy(lm, template(lm, ASK), 24)
+    message = client.messages.create(model=MODEL_ID, max_tokens=24, thinking=NO_THINKING, extra_body=GREEDY,
+                                     messages=ASK + [{"role": "assistant", "content": ""}])
+    assert message.content[0].text == detokenize(lm, reference)
 
 
 def test_stream_sends_the_documented_event_sequence(server, client):
@@ -271,12 +282,17 @@ def error_of(response: httpx.Response) -> tuple:
       "tools": TOOLS}, 400, "invalid_request_error", "text blocks only"),
     ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK + [{"role": "assistant", "content": "class"}],
       "tools": TOOLS, "tool_choice": {"type": "any"}}, 400, "invalid_request_error", "forced tool_choice"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK + [{"role": "assistant", "content": "{"}],
+      "output_config": {"format": {"type": "json_schema", "schema": WEATHER}}}, 400, "invalid_request_error",
+     "output_config.format"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK + [{"role": "assistant", "content": "class"}],
+      "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error", "thinking enabled"),
     ({"model": MODEL_ID, "max_tokens": 5, "messages": [{"role": "user", "content": "y" * 5000}]}, 400,
      "invalid_request_error", "maximum context length"),
     ({"model": "claude-opus-4", "max_tokens": 5, "messages": ASK}, 404, "not_found_error", "claude-opus-4"),
 ], ids=["no max_tokens", "temperature", "image block", "server tool", "any without tools", "unknown tool",
-        "prefill with trailing space", "prefill with a tool call", "prefill with a forced call", "too long",
-        "unknown model"])
+        "prefill with trailing space", "prefill with a tool call", "prefill with a forced call",
+        "prefill with a format", "prefill with thinking", "too long", "unknown model"])
 def test_errors_are_anthropic_shaped(server, body, status, kind, says):
     got = error_of(server.post("/v1/messages", json=body))
     assert got[:2] == (status, kind) and says in got[2]
@@ -328,5 +344,12 @@ def test_models_list_and_retrieve_in_anthropics_shape(server, client):
     assert e.value.body == {"type": "error", "error": {"type": "not_found_error", "message":
                             f"The model 'claude-opus-4' does not exist; this server serves '{MODEL_ID}'"}}
     headers = {"anthropic-version": "2023-06-01"}
-    assert error_of(server.get("/v1/models?after_id=nope", headers=headers))[:2] == (400, "invalid_request_error")
-    assert error_of(server.get("/v1/models?limit=0", headers=headers))[:2] == (400, "invalid_request_error")
+    for query in ("after_id=nope", "limit=0", "limit=abc", f"after_id={MODEL_ID}&before_id={MODEL_ID}"):
+        assert error_of(server.get(f"/v1/models?{query}", headers=headers))[:2] == (400, "invalid_request_error")
+    for cursor in ("after_id", "before_id"):  # past either end: an empty last page
+        empty = server.get(f"/v1/models?{cursor}={MODEL_ID}", headers=headers).json()
+        assert empty == {"data": [], "has_more": False, "first_id": None, "last_id": None}
+    # OpenAI's list takes no query, and the header chooses the envelope on the shared path only.
+    assert server.get("/v1/models?limit=abc").json()["object"] == "list"
+    openai_error = server.post("/v1/chat/completions", content=b'{"model":', headers=headers).json()
+    assert set(openai_error) == {"error"}

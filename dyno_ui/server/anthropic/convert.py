@@ -97,11 +97,16 @@ def prompt_for(served: ServedModel, req: api.Conversation) -> Prompt:
                     or req.output_schema is not None):
         raise ApiError(400, "messages: a final assistant message (prefill) cannot be combined with a forced "
                             "tool_choice or output_config.format, whose grammar starts the answer", param="messages")
+    if prefill and req.thinking is not None and req.thinking.type == "enabled":
+        raise ApiError(400, "messages: a final assistant message (prefill) cannot be combined with thinking "
+                            "enabled, as in Anthropic's API: a prefill starts the text answer", param="messages")
     with bad_request("tools"):
         runtime_tools.check_tools(lm, tools, choice)
     kwargs = {}
     if req.thinking is not None and req.thinking.type != "adaptive":  # adaptive: the template's default
         kwargs["enable_thinking"] = req.thinking.type == "enabled"
+    if prefill:  # the prefill is the text answer's start: the template closes its think block first
+        kwargs["enable_thinking"] = False
     # tool_choice none: the model is not told about tools (as the OpenAI routes do for "none").
     offered = tools if runtime_tools.calls_allowed(tools, choice) else None
     tokens = runtime.chat_prompt(lm, template_messages(req, messages), kwargs, offered, prefill)
