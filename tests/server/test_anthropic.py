@@ -287,12 +287,14 @@ def error_of(response: httpx.Response) -> tuple:
      "output_config.format"),
     ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK + [{"role": "assistant", "content": "class"}],
       "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error", "thinking enabled"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": [{"role": "assistant", "content": "class"}]}, 400,
+     "invalid_request_error", "needs a user message"),
     ({"model": MODEL_ID, "max_tokens": 5, "messages": [{"role": "user", "content": "y" * 5000}]}, 400,
      "invalid_request_error", "maximum context length"),
     ({"model": "claude-opus-4", "max_tokens": 5, "messages": ASK}, 404, "not_found_error", "claude-opus-4"),
 ], ids=["no max_tokens", "temperature", "image block", "server tool", "any without tools", "unknown tool",
         "prefill with trailing space", "prefill with a tool call", "prefill with a forced call",
-        "prefill with a format", "prefill with thinking", "too long", "unknown model"])
+        "prefill with a format", "prefill with thinking", "prefill alone", "too long", "unknown model"])
 def test_errors_are_anthropic_shaped(server, body, status, kind, says):
     got = error_of(server.post("/v1/messages", json=body))
     assert got[:2] == (status, kind) and says in got[2]

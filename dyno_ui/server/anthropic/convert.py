@@ -88,6 +88,9 @@ def prompt_for(served: ServedModel, req: api.Conversation) -> Prompt:
     prefill = prefill_text(req)
     # A final assistant message is the answer's start, not a turn (empty: the answer starts afresh).
     messages = req.messages[:-1] if req.messages[-1].role == "assistant" else req.messages
+    if not messages:
+        raise ApiError(400, "messages: a final assistant message (prefill) needs a user message before it",
+                       param="messages")
     tools = template_tools(req.tools)
     choice = req.tool_choice.model_dump() if req.tool_choice else {"type": "auto"}
     if req.tool_choice is not None and req.tool_choice.forced and not tools:
