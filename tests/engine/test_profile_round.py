@@ -52,3 +52,15 @@ def test_sampled_output_unchanged(tiny_lm, tool):
     on = tool.profile_run(lm, prompt, 2, params, barriers=True)
     off = tool.profile_run(lm, prompt, 2, params, barriers=False)
     assert on["tokens"] == off["tokens"] and len(on["tokens"]) == 30
+
+
+def test_round_floor_times_every_piece(tiny_lm):
+    """tools/round_floor.py runs each piece on a model without the bundled ranking (a tiny random one)."""
+    spec = importlib.util.spec_from_file_location("round_floor", TOOL.parent / "round_floor.py")
+    floor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor)
+    lm = tiny_lm()
+    t = floor.pieces(lm, lm.tokenizer.encode(PROMPT), 2, reps=1)
+    assert set(t) == {"head, 1 row", "head, 3 rows", "greedy acceptance", "sampled acceptance",
+                      "greedy draft pick", "sampled draft pick"}
+    assert all(abs(s) < 1 for s in t.values())  # seconds; a difference of bursts, so noise can make it < 0
