@@ -28,6 +28,9 @@ JSON_OBJECT = {"type": "object"}  # response_format json_object: any JSON object
 # Whitespace between JSON tokens, bounded as llama.cpp's JSON grammars bound it: unbounded, a model
 # can fill max_tokens with spaces. A schema's own "x-guidance" whitespace options replace these.
 JSON_OPTIONS = {"whitespace_pattern": r"[ \t]{0,20}|\n{1,2}[ \t]{0,20}"}
+# A tool call's JSON as Qwen's templates write it (`tojson`: ", " and ": ", no other whitespace),
+# which is what the model was trained on; free whitespace let a sampled forced call run to max_tokens.
+TOOL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Qwen's JSON tool-call form (its chat templates' <tool_call> block around {"name", "arguments"}).
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 
@@ -231,7 +234,7 @@ def tool_call_constraint(tools: Sequence[Mapping], choice: Any, lm, open: str = 
     if form == "json":
         schema = tool_call_schema(tools, choice)
         _schema_grammar(schema, "tool schema")  # a non-serialisable schema fails with its own message
-        schema = {"x-guidance": JSON_OPTIONS, **schema}  # inside Lark, %json takes options from the schema
+        schema = {"x-guidance": TOOL_JSON_OPTIONS, **schema}  # inside Lark, %json takes options from the schema
         body, rules = f"%json {json.dumps(schema)}", ""
     else:
         body, rules = xml_call_lark(chosen)
@@ -284,7 +287,7 @@ def _xml_value(prop: Mapping, rule: str, rules: List[str]) -> str:
         # Lazy: the text ends at the first closing tag, which it therefore cannot contain.
         rules.append(f'{rule}[lazy]: /(?s:.{{{low},{high}}})/ "\\n</parameter>"')
         return f'{rule} "\\n"'
-    value = f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **prop})}"
+    value = f"%json {json.dumps({'x-guidance': TOOL_JSON_OPTIONS, **prop})}"
     if prop.get("type") == "boolean":
         value = f'({value} | "True" | "False")'
     return f"{value} {end}"

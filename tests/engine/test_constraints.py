@@ -388,6 +388,21 @@ def test_combined_grammars_after_reasoning(bundled):
         combine([either], bundled, "</think>")
 
 
+def test_tool_call_json_is_written_as_the_template_writes_it(bundled):
+    """", " and ": " and no other whitespace (the template's tojson): a sampled call cannot pad itself."""
+    call = tool_call_constraint(TOOLS, "required", bundled)
+    good = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert accepts(call, bundled, good)
+    for bad in (good.replace('": ', '":'), good.replace(', "', ',"'), good.replace('{"a"', '{ "a"'),
+                good.replace('{"a": 1, ', '{\n  "a": 1,\n  ')):
+        assert not accepts(call, bundled, bad), bad
+    xml = tool_call_constraint([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"o": {"type": "object"}}, "required": ["o"]}}}], "required", bundled,
+        form="xml")
+    assert accepts(xml, bundled, xml_call("f", o='{"k": [1, 2]}'))
+    assert not accepts(xml, bundled, xml_call("f", o='{"k": [1,  2]}'))
+
+
 def test_text_then_optional_calls(bundled):
     """tool_choice auto with strict tools: any text, and a call, if the model makes one, fits its schema."""
     call = tool_call_constraint(TOOLS, "required", bundled)
