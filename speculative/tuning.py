@@ -2,7 +2,8 @@
 
 Deeper drafts pay only while the acceptance at that position beats its verify cost, and that
 cost depends on the machine (on the CPU backend Tv(k) grows much faster with k than on Metal),
-so the best depth is stored per model and machine.
+so the best depth is stored per model and machine, and per draft vocabulary (a smaller one makes
+each draft step cheaper, which can pay for a deeper draft).
 """
 
 import json
@@ -31,19 +32,24 @@ def tune_file() -> Path:
     return cache_root() / "tune.json"
 
 
-def machine_key(lm: LoadedModel) -> str:
-    """Model folder + backend + CPU architecture: what makes a stored depth valid."""
-    return f"{lm.path.resolve()}|{mx.default_device()}|{platform.machine()}"
+def machine_key(lm: LoadedModel, draft_vocab: Optional[int] = None) -> str:
+    """Model folder + backend + CPU architecture + draft vocabulary (N tokens, or the whole one):
+    what makes a stored depth valid."""
+    return f"{lm.path.resolve()}|{mx.default_device()}|{platform.machine()}|draft_vocab={draft_vocab or 'full'}"
 
 
-def stored(lm: LoadedModel) -> Optional[dict]:
+def stored(lm: LoadedModel, draft_vocab: Optional[int] = None) -> Optional[dict]:
+    """The entry for this model, machine and draft vocabulary; else one stored before entries named
+    the vocabulary (measured with the whole one: still a measured depth, until `dyno tune` again)."""
     try:
-        return json.loads(tune_file().read_text()).get(machine_key(lm))
+        table = json.loads(tune_file().read_text())
     except (OSError, ValueError):
         return None
+    legacy = machine_key(lm).rsplit("|", 1)[0]
+    return table.get(machine_key(lm, draft_vocab)) or table.get(legacy)
 
 
-def store(lm: LoadedModel, depth: int, details: dict) -> None:
+def store(lm: LoadedModel, depth: int, details: dict, draft_vocab: Optional[int] = None) -> None:
     """Record the best depth atomically (write a temp file, then rename)."""
     path = tune_file()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -51,7 +57,7 @@ def store(lm: LoadedModel, depth: int, details: dict) -> None:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
         table = {}
-    table[machine_key(lm)] = {"depth": depth, **details}
+    table[machine_key(lm, draft_vocab)] = {"depth": depth, "draft_vocab": draft_vocab, **details}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune.")
     with os.fdopen(fd, "w") as f:
         json.dump(table, f, indent=1)
@@ -76,28 +82,30 @@ def best_by_cost(costs: dict, acceptance: Sequence[float]) -> int:
     return min(k for k, v in score.items() if v >= (1 - SAME_WITHIN) * top)
 
 
-def resolve_depth(lm: LoadedModel, requested) -> int:
-    """An explicit depth as given; "auto": the stored one, else a cost-model estimate (stored too)."""
+def resolve_depth(lm: LoadedModel, requested, draft_vocab: Optional[int] = None) -> int:
+    """An explicit depth as given; "auto": the stored one, else a cost-model estimate (stored too),
+    for drafts scored over `draft_vocab` tokens (draft_vocab.resolve's N; None: the whole vocabulary)."""
     if requested != "auto":
         return int(requested)
     if lm.head is None:
         return 1
-    found = stored(lm)
+    found = stored(lm, draft_vocab)
     if found:
         return int(found["depth"])
     depths = list(range(1, 5))
     # Open-ended code, so that a short greedy run does not stop at once (code is where MTP heads
     # are judged, and what `dyno bench`'s default suite measures).
     prompt = lm.tokenizer.encode(ESTIMATE_PROMPT) or [0]
-    costs = cost_model(lm, prompt, depths, reps=9, burst=1)  # about two seconds, once per model
-    acceptance = measured_acceptance(lm, prompt, max(depths)) or [
+    costs = cost_model(lm, prompt, depths, reps=9, burst=1, draft_vocab=draft_vocab)  # about two seconds
+    acceptance = measured_acceptance(lm, prompt, max(depths), draft_vocab=draft_vocab) or [
         PRIOR_FIRST * PRIOR_DECAY**i for i in range(MAX_DRAFT_DEPTH)]
     depth = best_by_cost(costs, acceptance)
-    store(lm, depth, {"source": "estimate", "cost_model": costs, "acceptance": acceptance})
+    store(lm, depth, {"source": "estimate", "cost_model": costs, "acceptance": acceptance}, draft_vocab)
     return depth
 
 
-def measured_acceptance(lm: LoadedModel, prompt: Sequence[int], depth: int, tokens: int = 64) -> Optional[list]:
+def measured_acceptance(lm: LoadedModel, prompt: Sequence[int], depth: int, tokens: int = 64,
+                        draft_vocab: Optional[int] = None) -> Optional[list]:
     """Share of rounds whose draft at each position was accepted, from one short greedy run at `depth`
     (None when too few rounds to say): the head's own acceptance instead of the prior."""
     from .config import SamplingParams, SpecConfig
@@ -105,6 +113,7 @@ def measured_acceptance(lm: LoadedModel, prompt: Sequence[int], depth: int, toke
     from .stats import GenerationStats
 
     stats = GenerationStats()
-    for event in generate(lm, list(prompt), SamplingParams(max_tokens=tokens), SpecConfig("mtp", depth)):
+    spec = SpecConfig("mtp", depth, draft_vocab=draft_vocab)
+    for event in generate(lm, list(prompt), SamplingParams(max_tokens=tokens), spec):
         stats.add(event)
     return [c / stats.rounds for c in stats.accepted_per_position] if stats.rounds >= 8 else None

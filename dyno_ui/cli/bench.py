@@ -37,6 +37,7 @@ def add_commands(sub) -> None:
     t.add_argument("--model", help="model folder (default: the bundled dyno-tiny)")
     t.add_argument("--max-tokens", type=int, default=120)
     t.add_argument("--pairs", type=int, default=3)
+    t.add_argument("--draft-vocab", type=draft_vocab, default="auto", metavar="N|auto|full", help=DRAFT_VOCAB_HELP)
     t.set_defaults(func=cmd_tune)
 
 
@@ -46,19 +47,21 @@ def cmd_tune(args) -> int:
     from speculative.bench import paired_benchmark
     from speculative.config import SamplingParams
     from speculative.loader import load_model
+    from speculative.draft_vocab import resolve
     from speculative.tuning import store, tune_file
 
     lm = load_model(args.model or default_model(), mode="mtp")
+    vocab = resolve(lm, args.draft_vocab, notify)  # the depth is stored for this draft vocabulary
     depths = [1, 2, 3, 4]
     ratios = {k: [] for k in depths}
     for item in SUITES["code"][:2]:
         res = paired_benchmark(lm, encode(lm.tokenizer, item), SamplingParams(max_tokens=args.max_tokens), depths,
-                               pairs=args.pairs, with_off=False)
+                               pairs=args.pairs, with_off=False, draft_vocab=vocab)
         for k in depths:
             ratios[k].append(res["settings"][f"mtp@{k}"]["ratio"]["median"])
     speedup = {k: statistics.median(v) for k, v in ratios.items()}
     best = max(speedup, key=speedup.get)
-    store(lm, best, {"source": "measured", "speedup": speedup})
+    store(lm, best, {"source": "measured", "speedup": speedup}, vocab)
     for k in depths:
         print(f"depth {k}: {speedup[k]:.2f}x vs plain mlx-lm" + ("  <- best" if k == best else ""))
     print(f"stored depth {best} for {lm.path} in {tune_file()}")
@@ -101,7 +104,7 @@ def cmd_bench(args) -> int:
     SpecConfig("mtp", draft_vocab=args.draft_vocab)  # checked before anything loads
     lm = load_model(args.model or default_model(), mode="mtp", head_bits=args.mtp_head_bits)
     vocab = resolve(lm, args.draft_vocab, notify)  # auto: the N it picks for this model (None: full)
-    auto = resolve_depth(lm, "auto") if "auto" in names else None
+    auto = resolve_depth(lm, "auto", vocab) if "auto" in names else None
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     record = {"machine": _machine(), "model": str(lm.path), "quantization": lm.config.get("quantization"),
               "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -48,8 +48,8 @@ def cmd_generate(args) -> int:
     if options.distributed:
         return _generate_split(args, options)
     lm = load_model(options.model or default_model(), **options.load_args(), notify=notify)
-    spec = SpecConfig(options.speculative, resolve_depth(lm, options.draft_depth),
-                      resolve(lm, options.draft_vocab, notify))
+    vocab = resolve(lm, options.draft_vocab, notify)
+    spec = SpecConfig(options.speculative, resolve_depth(lm, options.draft_depth, vocab), vocab)
     from speculative import generate
 
     return _run(args, lm, spec, generate)

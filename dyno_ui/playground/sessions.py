@@ -147,8 +147,9 @@ class Sessions:
 
         def load():
             lm = load_model(folder, mode="auto", notify=notify, head_bits=head_bits)
-            depth = resolve_depth(lm, "auto") if lm.head is not None else SpecConfig().draft_depth
-            return lm, SpecConfig("auto", depth, resolve(lm, AUTO, notify))  # the defaults, as `dyno serve`'s
+            vocab = resolve(lm, AUTO, notify)
+            depth = resolve_depth(lm, "auto", vocab) if lm.head is not None else SpecConfig().draft_depth
+            return lm, SpecConfig("auto", depth, vocab)  # the defaults, as `dyno serve`'s
 
         # Until the swap, API requests get a 503 "model loading"; one checked against the old model
         # but queued after the swap is failed by the worker (Job.lm), never served by the new one.

@@ -130,8 +130,9 @@ def run(options: ServeOptions) -> int:
             lm = split.load(path, **m.load_args(), notify=notify)
             return lm, SpecConfig(mode, distributed.split_depth(lm, m.draft_depth), m.draft_vocab)
         lm = load_model(path, **m.load_args(mode), notify=notify)
-        depth = resolve_depth(lm, m.draft_depth) if lm.head is not None else SpecConfig().draft_depth
-        return lm, SpecConfig(mode, depth, resolve(lm, m.draft_vocab, notify))
+        vocab = resolve(lm, m.draft_vocab, notify)
+        depth = resolve_depth(lm, m.draft_depth, vocab) if lm.head is not None else SpecConfig().draft_depth
+        return lm, SpecConfig(mode, depth, vocab)
 
     # Split across ranks: no prompt cache (each rank's store would evict by its own shard's bytes).
     worker = EngineWorker(load, decode_concurrency=options.decode_concurrency,

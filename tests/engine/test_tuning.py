@@ -82,3 +82,22 @@ def test_estimate_weighs_depths_by_the_heads_measured_acceptance(monkeypatch, tm
     costs = dict(entry["cost_model"], Tv={int(d): t for d, t in entry["cost_model"]["Tv"].items()})
     assert sorted(costs["Tv"]) == [1, 2, 3, 4]
     assert depth == entry["depth"] == best_by_cost(costs, want)
+
+
+def test_a_stored_depth_belongs_to_its_draft_vocabulary(monkeypatch, tmp_path):
+    """A depth tuned for one draft vocabulary is not used for another (a cheaper draft step can pay for
+    a deeper draft); one stored before entries named the vocabulary is used for any, until re-tuned."""
+    from types import SimpleNamespace
+
+    from speculative import tuning
+
+    monkeypatch.setenv("DYNO_CACHE", str(tmp_path))
+    lm = SimpleNamespace(path=tmp_path / "model", head=object())
+    tuning.store(lm, 3, {"source": "measured"}, 1792)
+    tuning.store(lm, 1, {"source": "measured"}, None)
+    assert tuning.resolve_depth(lm, "auto", 1792) == 3 and tuning.resolve_depth(lm, "auto", None) == 1
+    table = json.loads((tmp_path / "tune.json").read_text())
+    assert sorted(e["draft_vocab"] or 0 for e in table.values()) == [0, 1792]
+    legacy = {tuning.machine_key(lm).rsplit("|", 1)[0]: {"depth": 2, "source": "measured"}}
+    (tmp_path / "tune.json").write_text(json.dumps(legacy))
+    assert tuning.resolve_depth(lm, "auto", 1792) == 2 and tuning.resolve_depth(lm, "auto", None) == 2
