@@ -59,9 +59,13 @@ class ServedModel:
 
     def not_found(self, requested: str) -> ApiError:
         """The 404 for a model id this server does not serve, listing the ids it does."""
-        served = "', '".join(self.ids)
-        return ApiError(404, f"The model '{requested}' does not exist; this server serves '{served}'",
+        return ApiError(404, f"The model '{requested}' does not exist; this server serves {quoted(self.ids)}",
                         param="model", code="model_not_found")
+
+
+def quoted(ids: Sequence[str]) -> str:
+    """'a', 'b': model ids as the error messages list them."""
+    return ", ".join(f"'{i}'" for i in ids)
 
     def defaults(self, lm: Optional[LoadedModel] = None) -> SamplingParams:
         """The model's generation_config sampling values (greedy where it has none)."""

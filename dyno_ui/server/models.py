@@ -10,7 +10,7 @@ from typing import List, Optional
 from fastapi import FastAPI, Request
 
 from ..runtime.errors import ApiError
-from ..runtime.served import ServedModel
+from ..runtime.served import ServedModel, quoted
 from .anthropic import schema as anthropic_api
 from .openai import schema as openai_api
 
@@ -44,8 +44,7 @@ def anthropic_page(ids: List[str], created: int, limit: int, after_id: Optional[
         raise ApiError(400, "after_id and before_id cannot both be given", param="before_id")
     for cursor, name in ((after_id, "after_id"), (before_id, "before_id")):
         if cursor is not None and cursor not in ids:
-            listed = "', '".join(ids)
-            raise ApiError(400, f"{name}: no model '{cursor}'; this server serves '{listed}'", param=name)
+            raise ApiError(400, f"{name}: no model '{cursor}'; this server serves {quoted(ids)}", param=name)
     if before_id is not None:
         end = ids.index(before_id)
         page = ids[max(0, end - limit):end]
