@@ -93,11 +93,11 @@ def prompt_for(served: ServedModel, req: api.Conversation) -> Prompt:
                        param="messages")
     tools = template_tools(req.tools)
     choice = req.tool_choice.model_dump() if req.tool_choice else {"type": "auto"}
-    if req.tool_choice is not None and req.tool_choice.forced and not tools:
+    forced = req.tool_choice is not None and req.tool_choice.forced
+    if forced and not tools:
         raise ApiError(400, f"tool_choice: {req.tool_choice.type!r} requires a tool call but no tools were given",
                        param="tool_choice")
-    if prefill and ((req.tool_choice is not None and req.tool_choice.forced)
-                    or req.output_schema is not None):
+    if prefill and (forced or req.output_schema is not None):
         raise ApiError(400, "messages: a final assistant message (prefill) cannot be combined with a forced "
                             "tool_choice or output_config.format, whose grammar starts the answer", param="messages")
     if prefill and req.thinking is not None and req.thinking.type == "enabled":
