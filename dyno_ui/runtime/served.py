@@ -62,15 +62,15 @@ class ServedModel:
         return ApiError(404, f"The model '{requested}' does not exist; this server serves {quoted(self.ids)}",
                         param="model", code="model_not_found")
 
-
-def quoted(ids: Sequence[str]) -> str:
-    """'a', 'b': model ids as the error messages list them."""
-    return ", ".join(f"'{i}'" for i in ids)
-
     def defaults(self, lm: Optional[LoadedModel] = None) -> SamplingParams:
         """The model's generation_config sampling values (greedy where it has none)."""
         return SamplingParams.from_generation_config((lm or self.lm).generation_config,
                                                      max_tokens=self.default_max_tokens)
+
+
+def quoted(ids: Sequence[str]) -> str:
+    """'a', 'b': model ids as the error messages list them."""
+    return ", ".join(f"'{i}'" for i in ids)
 
 
 def chat_prompt(lm: LoadedModel, messages: List[dict], template_kwargs: Optional[dict],
