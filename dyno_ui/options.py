@@ -6,8 +6,8 @@ from typing import Optional, Tuple, Union
 
 from speculative.config import SpecConfig
 from speculative.errors import DynoError
-from speculative.precision import parse_head_bits
-from speculative.prefix_cache import parse_size
+from speculative.heads.precision import parse_head_bits
+from speculative.prompt_cache.store import parse_size
 
 DEFAULT_PORT = 8080
 DEFAULT_MAX_TOKENS = 512
@@ -57,7 +57,7 @@ class ServeOptions:
     served_model_names: Tuple[str, ...] = ()  # ids requests may use besides the model's folder name
     prompt_cache_bytes: Union[int, str, None] = None  # memory for reusable prompt states (None: 1/8 of the machine's)
     prompt_cache_dir: Optional[Path] = None  # keep evicted (and, on shutdown, live) prompt states here
-    prompt_cache_disk_bytes: Union[int, str, None] = None  # that folder's budget (None: see speculative/prefix_disk.py)
+    prompt_cache_disk_bytes: Union[int, str, None] = None  # that folder's budget (None: see speculative/prompt_cache/disk.py)
 
     def __post_init__(self):
         object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") or o for o in self.allowed_origins))

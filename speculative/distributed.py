@@ -241,7 +241,7 @@ def split_depth(lm: LoadedModel, requested) -> int:
     """--draft-depth on a split model: as given, else the depth `dyno tune` stored, else the default.
     Never a cost-model estimate: its timing runs would be collectives on one rank alone."""
     from .config import DEFAULT_DRAFT_DEPTH
-    from .tuning import stored
+    from .measure.tuning import stored
 
     if requested != "auto":
         return int(requested)

@@ -13,13 +13,13 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from .cache import GDNTape, rollback
+from .rollback import GDNTape, rollback
 from .config import SamplingParams, SpecConfig
-from .draft_vocab import draft_lm_head, greedy_token
+from .draft_vocab.head import draft_lm_head, greedy_token
 from .errors import DynoError
 from .events import Done, Provenance, Round, Token
 from .loader import LoadedModel
-from .prefix_cache import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
+from .prompt_cache.store import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
 from .processors import PrefixProcessors, processors_for, with_prefix
 from .sampling import draft_params, draw, log_softmax, plain_sampler, scored, warp
 from .verify import greedy_accept, lossless_accept

@@ -10,10 +10,10 @@ import mlx.nn as nn
 
 from .backend import widen_experts
 from .errors import DynoError, one_line
-from .heads import resolve_head
-from .mtp import MTPHead, build_head
-from . import precision
-from .precision import HeadMemory
+from .heads.find import resolve_head
+from .heads.mtp import MTPHead, build_head
+from .heads import precision
+from .heads.precision import HeadMemory
 from .target import Target
 
 DENSE_TYPES = ("qwen3_5", "qwen3_5_text")

@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask, gather_last_axis
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
-from .cache import GDNTape, Replay
+from .rollback import GDNTape, Replay
 
 
 def kernel_path(layer) -> bool:

@@ -79,7 +79,7 @@ def timed(lm, prompt, params, depth: int, cls) -> dict:
 
 def main() -> None:
     from speculative.loader import load_model
-    from speculative.suites import SUITES, encode
+    from speculative.measure.suites import SUITES, encode
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="git revision (or engine.py file) that is 'before'")

@@ -5,7 +5,7 @@ Run every rank with mlx.launch, e.g. two ranks on this machine:
     mlx.launch --backend ring --hosts 127.0.0.1 -n 2 .venv/bin/python tools/distributed_bench.py \\
         --model assets/dyno-tiny --strategy pipeline --depths 1 2 3 --pairs 5 --out bench.json
 
-Protocol (as speculative/bench.py): one warm-up cycle, then `--pairs` cycles alternating plain
+Protocol (as speculative/measure/bench.py): one warm-up cycle, then `--pairs` cycles alternating plain
 mlx-lm (its sharded_load + generate_step) with each Dyno setting, greedy; each Dyno run is compared
 with the plain run of its cycle; medians with min-max; decode speed excludes the prefill.
 Settings: `mtp@k` is Dyno as shipped (the head on every rank); `one-rank@k` runs the head on rank 0
@@ -31,7 +31,7 @@ from mlx_lm.utils import sharded_load  # noqa: E402
 
 from speculative import distributed  # noqa: E402
 from speculative.config import SamplingParams  # noqa: E402
-from speculative.cost_model import cost_model  # noqa: E402
+from speculative.measure.cost_model import cost_model  # noqa: E402
 from speculative.engine import Speculator  # noqa: E402
 from speculative.events import Round, Token  # noqa: E402
 

@@ -6,7 +6,7 @@ position-1 acceptance by ranking and N, and the time of one draft step by N.
     python tools/draft_vocab.py --projection-27b
     python tools/draft_vocab.py --ship [--model assets/dyno-tiny]
 
---rankings compares the tokenizer's id (merge) order with the counted ranking (speculative/vocab_rank.py:
+--rankings compares the tokenizer's id (merge) order with the counted ranking (speculative/draft_vocab/rank.py:
 the softmax mass of the model's own T=1 continuations of vocab_rank's seeds, derived here afresh with
 --budgets tokens per seed; the seeds are not the evaluation prompts). The texts: every `dyno bench`
 suite prompt with plain mlx-lm's 200-token continuation, greedy and T=0.6/top-p 0.95/top-k 20 (seed
@@ -20,7 +20,7 @@ subset is the trunk's argmax; T=0.6: sum(min(p, q)), q the warped head distribut
 --td times one draft step (head + projection + greedy pick) with the full lm_head, and for each N
 through DraftLMHead's full-width row, then argmax (what sampled and processed drafts need), and with
 DraftLMHead.greedy (argmax over the subset, mapped through its ids): medians of round-robin bursts
-(speculative.cost_model.interleaved), every variant taking turns so that the machine's drift lands
+(speculative.measure.cost_model.interleaved), every variant taking turns so that the machine's drift lands
 on all alike.
 
 --projection-27b prints, by arithmetic on the published Qwen3.5/3.6/3.8-27B config values (vocabulary
@@ -45,8 +45,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative import vocab_rank  # noqa: E402
-from speculative.cost_model import interleaved  # noqa: E402
-from speculative.draft_vocab import DraftLMHead, auto_size, lm_head_module, ranked_ids  # noqa: E402
+from speculative.measure.cost_model import interleaved  # noqa: E402
+from speculative.draft_vocab.head import DraftLMHead, auto_size, lm_head_module, ranked_ids  # noqa: E402
 from speculative.loader import load_model  # noqa: E402
 
 SIZES = (256, 512, 1024, 1536, 2048, 3072)
@@ -83,9 +83,9 @@ def main() -> None:
 
 def texts(lm, extra):
     """{name: [(prompt ids, continuation ids)]}: the suites' plain continuations, and the --text files."""
-    from speculative.bench import run_mlx_lm
+    from speculative.measure.bench import run_mlx_lm
     from speculative.config import SamplingParams
-    from speculative.suites import SUITES, encode
+    from speculative.measure.suites import SUITES, encode
 
     out = {}
     for temp in (0.0, 0.6):
@@ -202,8 +202,8 @@ def projection_27b(td_ms: float = 1.5, e: float = 3.5, k: int = 3, tv_over_t1: f
     """Bytes per draft step on Qwen3.5/3.6/3.8-27B, whole lm_head against auto's smallest subset."""
     import math
 
-    from speculative.draft_vocab import AUTO_MIN_SHARE, AUTO_STEP
-    from speculative.precision import HEAD_BITS, QWEN_27B, _linear_bytes, planned_bytes
+    from speculative.draft_vocab.head import AUTO_MIN_SHARE, AUTO_STEP
+    from speculative.heads.precision import HEAD_BITS, QWEN_27B, _linear_bytes, planned_bytes
 
     v, h = QWEN_27B["vocab_size"], QWEN_27B["hidden_size"]
     n = math.ceil(AUTO_MIN_SHARE * v / AUTO_STEP) * AUTO_STEP

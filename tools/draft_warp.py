@@ -18,11 +18,11 @@ import sys
 import mlx.core as mx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from speculative.bench import run_mlx_lm  # noqa: E402
+from speculative.measure.bench import run_mlx_lm  # noqa: E402
 from speculative.config import SamplingParams  # noqa: E402
 from speculative.loader import load_model  # noqa: E402
 from speculative.sampling import warp  # noqa: E402
-from speculative.suites import SUITES, encode  # noqa: E402
+from speculative.measure.suites import SUITES, encode  # noqa: E402
 
 
 def main() -> None:

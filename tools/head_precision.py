@@ -6,7 +6,7 @@ head step (the head alone, and the draft step: head + lm_head + argmax) on this 
     python tools/head_precision.py --teacher-forced [--model assets/dyno-tiny]
     python tools/head_precision.py --records bench-16.json bench-8.json bench-4.json
 
-Every time is a median of round-robin bursts (speculative.bench's timing), all precisions taking
+Every time is a median of round-robin bursts (speculative.measure.bench's timing), all precisions taking
 turns so that the machine's drift lands on all alike. Also prints the head's bytes at each
 precision for the published 27B shapes (Qwen3.5/3.6/3.8-27B share them), by precision.planned_bytes'
 arithmetic on their config values (tests/heads/test_head_precision.py checks it against a head module
@@ -39,9 +39,9 @@ import sys
 import mlx.core as mx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from speculative.cost_model import interleaved  # noqa: E402
+from speculative.measure.cost_model import interleaved  # noqa: E402
 from speculative.loader import load_model  # noqa: E402
-from speculative.precision import HEAD_BITS, QWEN_27B, planned_bytes  # noqa: E402
+from speculative.heads.precision import HEAD_BITS, QWEN_27B, planned_bytes  # noqa: E402
 
 
 
@@ -101,7 +101,7 @@ def linears_27b(reps: int) -> None:
     """One-row products with the 27B head's fc and MLP shapes, bf16 against 8- and 4-bit (group 64)."""
     import mlx.nn as nn
 
-    from speculative.precision import GROUP_SIZE
+    from speculative.heads.precision import GROUP_SIZE
 
     h, i = QWEN_27B["hidden_size"], QWEN_27B["intermediate_size"]
     builds = {}
@@ -122,8 +122,8 @@ def linears_27b(reps: int) -> None:
 
 def teacher_forced(model: str, max_tokens: int = 200) -> None:
     """Position-1 acceptance of each head precision at every generated position of the same texts."""
-    from speculative.suites import SUITES, encode
-    from speculative.bench import run_mlx_lm
+    from speculative.measure.suites import SUITES, encode
+    from speculative.measure.bench import run_mlx_lm
     from speculative.config import SamplingParams
     from speculative.sampling import warp
 

@@ -29,7 +29,7 @@ next verify graph is built, and a barrier serializes them.
 So the instrumented round is longer than the real one. The tool therefore also times the same
 prompt without barriers (only a clock read at each `step` entry; identical tokens are checked)
 and reports, per depth, the uninstrumented round time, the model calls the cost model allows
-(Tv(k) + k*Td, speculative/cost_model.py, timed right before each prompt's pair of runs, since
+(Tv(k) + k*Td, speculative/measure/cost_model.py, timed right before each prompt's pair of runs, since
 this machine drifts within minutes) and their difference: the exposed host time per round, what
 issue 18 sets out to cut. That difference also holds the device work outside the model calls
 (the acceptance rule, the GDN commit, a sampler's warp), which the table shows per phase. The
@@ -53,7 +53,7 @@ import mlx.core as mx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative import engine  # noqa: E402
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
-from speculative.cost_model import cost_model  # noqa: E402
+from speculative.measure.cost_model import cost_model  # noqa: E402
 from speculative.events import Round, Token  # noqa: E402
 
 PHASES = ("verify", "acceptance", "head rows", "rollback", "drafts", "emit")
@@ -242,7 +242,7 @@ def profile_depth(lm, prompts: List[List[int]], depth: int, params: SamplingPara
 
 def main() -> None:
     from speculative.loader import load_model
-    from speculative.suites import SUITES, encode
+    from speculative.measure.suites import SUITES, encode
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="assets/dyno-tiny")

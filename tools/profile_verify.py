@@ -3,7 +3,7 @@ DeltaNet recurrence and the rest, on this machine's MLX backend.
 
     python tools/profile_verify.py [--model assets/dyno-tiny] [--depth 3] [--reps 40]
 
-Every figure is a median of round-robin bursts (speculative.bench's timing). "Matmuls" times every
+Every figure is a median of round-robin bursts (speculative.measure.bench's timing). "Matmuls" times every
 nn.Linear of the model and the lm_head alone on inputs of 1 and k+1 rows; "recurrence" times the
 verify pass with the recurrence replaced by a stand-in of the same shapes that computes nothing.
 Dense, unquantized models off the Metal kernel path only. The split is of the plain (uncompiled) pass; the engine's pass, with each Gated DeltaNet layer
@@ -21,8 +21,8 @@ import mlx.nn as nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative import target as target_mod  # noqa: E402
-from speculative.cache import restore, snapshot  # noqa: E402
-from speculative.cost_model import interleaved  # noqa: E402
+from speculative.rollback import restore, snapshot  # noqa: E402
+from speculative.measure.cost_model import interleaved  # noqa: E402
 from speculative.loader import load_model  # noqa: E402
 from speculative.target import Target  # noqa: E402
 

@@ -2,7 +2,7 @@
 
     python tools/round_floor.py [--model assets/dyno-tiny] [--depths 1 3] [--reps 15] [--json FILE]
 
-Issue 18 holds a round against Tv(k) + k*Td (speculative/cost_model.py). A round also computes,
+Issue 18 holds a round against Tv(k) + k*Td (speculative/measure/cost_model.py). A round also computes,
 whatever the host does: the head's rows for the k+1 verified positions in one call where the cost
 model's head step has one row, and the acceptance rule on the k+1 verify rows (greedy: the
 log-softmax and argmax plain decoding takes; sampled: the warp plain decoding's sampler applies to
@@ -23,8 +23,8 @@ import mlx.core as mx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative.config import SamplingParams  # noqa: E402
-from speculative.cost_model import cost_model, interleaved  # noqa: E402
-from speculative.draft_vocab import draft_lm_head, greedy_token  # noqa: E402
+from speculative.measure.cost_model import cost_model, interleaved  # noqa: E402
+from speculative.draft_vocab.head import draft_lm_head, greedy_token  # noqa: E402
 from speculative.sampling import draft_params, draw, log_softmax, warp  # noqa: E402
 from speculative.verify import greedy_accept, lossless_accept  # noqa: E402
 
@@ -70,7 +70,7 @@ def pieces(lm, prompt, k: int, reps: int) -> dict:
 
 def main() -> None:
     from speculative.loader import load_model
-    from speculative.suites import SUITES, encode
+    from speculative.measure.suites import SUITES, encode
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="assets/dyno-tiny")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from speculative.errors import DynoError
 
-from speculative.suites import SUITES, encode
+from speculative.measure.suites import SUITES, encode
 
 from ..paths import default_model
 from .common import DRAFT_VOCAB_HELP, draft_vocab, notify
@@ -44,11 +44,11 @@ def add_commands(sub) -> None:
 def cmd_tune(args) -> int:
     import statistics
 
-    from speculative.bench import paired_benchmark
+    from speculative.measure.bench import paired_benchmark
     from speculative.config import SamplingParams
     from speculative.loader import load_model
-    from speculative.draft_vocab import resolve
-    from speculative.tuning import store, tune_file
+    from speculative.draft_vocab.head import resolve
+    from speculative.measure.tuning import store, tune_file
 
     lm = load_model(args.model or default_model(), mode="mtp")
     vocab = resolve(lm, args.draft_vocab, notify)  # the depth is stored for this draft vocabulary
@@ -85,11 +85,11 @@ def _machine() -> dict:
 
 
 def cmd_bench(args) -> int:
-    from speculative.bench import paired_benchmark
-    from speculative.cost_model import cost_model, speedup_bound
+    from speculative.measure.bench import paired_benchmark
+    from speculative.measure.cost_model import cost_model, speedup_bound
     from speculative.config import MAX_DRAFT_DEPTH, SamplingParams, SpecConfig
-    from speculative.draft_vocab import resolve
-    from speculative.tuning import resolve_depth
+    from speculative.draft_vocab.head import resolve
+    from speculative.measure.tuning import resolve_depth
     from speculative.loader import load_model
 
     names = [d.strip() for d in args.depths.split(",")]

@@ -36,8 +36,8 @@ def sampling_from(args, generation_config: dict) -> SamplingParams:
 
 def cmd_generate(args) -> int:
     from speculative import load_model
-    from speculative.draft_vocab import resolve
-    from speculative.tuning import resolve_depth
+    from speculative.draft_vocab.head import resolve
+    from speculative.measure.tuning import resolve_depth
 
     options = model_options(args)  # every flag checked before anything is loaded
     if args.max_tokens < 1:

@@ -31,8 +31,8 @@ def _size(path: Path) -> int:
 
 
 def cmd_head_pull(args) -> int:
-    from speculative.head_store import planned_memory, pull_head
-    from speculative.precision import parse_head_bits
+    from speculative.heads.store import planned_memory, pull_head
+    from speculative.heads.precision import parse_head_bits
 
     parse_head_bits(args.mtp_head_bits)  # a bad value fails before anything is fetched
     target, base = pull_head(args.model, args.mtp_base, notify)
@@ -45,8 +45,8 @@ def cmd_head_pull(args) -> int:
 
 
 def cmd_head_list(args) -> int:
-    from speculative.head_store import json_object
-    from speculative.heads import head_cache_dir
+    from speculative.heads.store import json_object
+    from speculative.heads.find import head_cache_dir
 
     root = head_cache_dir()
     rows = []
@@ -80,7 +80,7 @@ def _table(header, rows) -> None:
 
 
 def cmd_models(args) -> int:
-    from speculative.head_store import local_models
+    from speculative.heads.store import local_models
 
     rows = local_models(local_folders([Path(f).expanduser() for f in args.folders]), notify)
     if not rows:

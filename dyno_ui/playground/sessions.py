@@ -122,7 +122,7 @@ class Sessions:
     def local_models(self, folders: Sequence[str] = ()) -> List[tuple]:
         """(folder, type, head status) rows; read here, not on the engine thread: the head checks read
         only file names and headers, so listing never waits for (or holds up) a generation."""
-        from speculative.head_store import local_models
+        from speculative.heads.store import local_models
 
         extra = [Path(f).expanduser() for f in folders if f]
         return local_models(local_folders(extra), notify=lambda m: None)
@@ -137,9 +137,9 @@ class Sessions:
         """A Future of the model at `path` replacing the served one (loaded on the engine thread), its
         head kept at `head_bits` (16, 8, 4; None or "auto": follow the trunk); `key`: the server's API key."""
         from speculative.loader import load_model
-        from speculative.precision import parse_head_bits
-        from speculative.draft_vocab import AUTO, resolve
-        from speculative.tuning import resolve_depth
+        from speculative.heads.precision import parse_head_bits
+        from speculative.draft_vocab.head import AUTO, resolve
+        from speculative.measure.tuning import resolve_depth
 
         self.authorize(key)
         parse_head_bits(head_bits)  # a bad value fails here, not on the engine thread
@@ -170,7 +170,7 @@ class Sessions:
     def fetch_head(self, path: str, notify: Callable[[str], None], head_bits=None, key: Optional[str] = None):
         """A Future of (head folder, base repo, memory it takes at `head_bits`) for the model at `path`
         (fetched on the engine thread); `key`: the server's API key."""
-        from speculative.head_store import planned_memory, pull_head
+        from speculative.heads.store import planned_memory, pull_head
 
         self.authorize(key)
         def fetch():
@@ -183,7 +183,7 @@ class Sessions:
         """The current model, its head, drafting depth and memory, as Markdown."""
         import mlx.core as mx
 
-        from speculative.precision import format_bytes
+        from speculative.heads.precision import format_bytes
 
         lm, worker = self.lm, self.served.worker
         try:

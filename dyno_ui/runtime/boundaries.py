@@ -2,7 +2,7 @@
 
 A later prompt of the same conversation shares every message before the one that changes (an
 edit, a regenerate, a template that drops earlier <think> text or re-renders a tool call), so
-the engine checkpoints its recurrent state there (speculative/prefix_cache.py). Qwen-family
+the engine checkpoints its recurrent state there (speculative/prompt_cache/store.py). Qwen-family
 templates open every message with one special token (<|im_start|>); it is learned from the
 template itself, so any prompt (chat or raw, from either API or the playground) is split alike.
 """

@@ -9,7 +9,7 @@ for the engine's own events (`trace`: tokens with provenance, rounds) and runs o
 Serial mode (decode concurrency 1) runs one request at a time through the engine, drafting with
 the MTP head when there is one. Batched mode hands concurrent requests to mlx-lm's BatchGenerator,
 which does not draft. Both reuse earlier prompts' states through one prompt cache
-(speculative/prefix_cache.py), bounded in bytes, with an optional disk tier that outlives the
+(speculative/prompt_cache/store.py), bounded in bytes, with an optional disk tier that outlives the
 process; prefill is cut (and checkpointed) where chat messages start.
 """
 
@@ -32,8 +32,8 @@ from speculative.engine import generate
 from speculative.errors import one_line
 from speculative.events import Done, Provenance, Token, TokenLogprobs
 from speculative.loader import LoadedModel
-from speculative.prefix_cache import Checkpoint, PrefixCache, entry_from, owned, recurrent_state
-from speculative.prefix_disk import prompt_store
+from speculative.prompt_cache.store import Checkpoint, PrefixCache, entry_from, owned, recurrent_state
+from speculative.prompt_cache.disk import prompt_store
 from speculative.processors import processors_for
 from speculative.sampling import plain_sampler, scored
 from speculative.stats import GenerationStats

@@ -107,8 +107,8 @@ def run(options: ServeOptions) -> int:
     import uvicorn
 
     from speculative import distributed, load_model
-    from speculative.draft_vocab import resolve
-    from speculative.tuning import resolve_depth
+    from speculative.draft_vocab.head import resolve
+    from speculative.measure.tuning import resolve_depth
 
     from ..runtime.served import ServedModel
     from ..runtime.worker import EngineWorker

@@ -19,8 +19,8 @@ from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.events import Round, Token
 from speculative.loader import load_model
-from speculative.mtp import build_head, read_checkpoint_head
-from speculative.tensors import read_header, read_tensors
+from speculative.heads.mtp import build_head, read_checkpoint_head
+from speculative.heads.tensors import read_header, read_tensors
 
 PROMPT = "def add(a, b):\n    return a + b\n"
 BUNDLED_MLX = BUNDLED_MODEL.parent / "dyno-tiny-mlx"

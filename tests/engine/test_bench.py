@@ -10,8 +10,8 @@ from helpers.run import dyno
 
 import mlx.core as mx
 
-from speculative.bench import paired_benchmark, summarize
-from speculative.cost_model import interleaved, speedup_bound
+from speculative.measure.bench import paired_benchmark, summarize
+from speculative.measure.cost_model import interleaved, speedup_bound
 from speculative.config import SamplingParams
 
 

@@ -5,7 +5,7 @@ from functools import partial
 import mlx.core as mx
 import pytest
 
-from speculative.cache import restore, snapshot
+from speculative.rollback import restore, snapshot
 from speculative.target import Target, linear_layer
 
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from helpers.reference import plain_greedy
-from speculative import vocab_rank
+from speculative.draft_vocab import rank as vocab_rank
 from speculative.config import SamplingParams, SpecConfig
-from speculative.draft_vocab import (AUTO, AUTO_MIN_VOCAB, DraftLMHead, auto_size, draft_lm_head, greedy_token,
+from speculative.draft_vocab.head import (AUTO, AUTO_MIN_VOCAB, DraftLMHead, auto_size, draft_lm_head, greedy_token,
                                      ranked_ids, resolve, special_ids)
 from speculative.engine import generate
 from speculative.errors import DynoError

@@ -13,10 +13,10 @@ from helpers.reference import plain_greedy
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
 from speculative.events import Done, Round, Token
-from speculative.prefix_cache import (
+from speculative.prompt_cache.store import (
     PrefixCache, PrefixEntry, ShiftedKVCache, parse_size, thin,
 )
-from speculative.prefix_disk import DiskTier, model_keys, prompt_store
+from speculative.prompt_cache.disk import DiskTier, model_keys, prompt_store
 
 TURNS = ["def add(a, b):\n", "\n# now subtract\n", "\n# and multiply\n"]
 SYSTEM, USER, EDITED = "# A module of small helpers.\n", "def mean(xs):\n    return", "def median(xs):\n    return"

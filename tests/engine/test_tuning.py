@@ -6,7 +6,7 @@ import os
 from helpers.reference import plain_greedy
 from helpers.run import dyno
 from helpers.drafts import record_drafts, replay
-from speculative.tuning import best_by_cost, expected_tokens_per_round
+from speculative.measure.tuning import best_by_cost, expected_tokens_per_round
 
 
 
@@ -63,7 +63,7 @@ def test_estimate_weighs_depths_by_the_heads_measured_acceptance(monkeypatch, tm
     there, here replayed by hand from the drafts and plain greedy; the depth is best_by_cost on it."""
     from dyno_ui.paths import BUNDLED_MODEL
     from speculative.loader import load_model
-    from speculative.tuning import ESTIMATE_PROMPT, PRIOR_DECAY, PRIOR_FIRST, resolve_depth
+    from speculative.measure.tuning import ESTIMATE_PROMPT, PRIOR_DECAY, PRIOR_FIRST, resolve_depth
 
     lm = load_model(BUNDLED_MODEL, mode="mtp")
     monkeypatch.setenv("DYNO_CACHE", str(tmp_path))
@@ -89,7 +89,7 @@ def test_a_stored_depth_belongs_to_its_draft_vocabulary(monkeypatch, tmp_path):
     a deeper draft); one stored before entries named the vocabulary is used for any, until re-tuned."""
     from types import SimpleNamespace
 
-    from speculative import tuning
+    from speculative.measure import tuning
 
     monkeypatch.setenv("DYNO_CACHE", str(tmp_path))
     lm = SimpleNamespace(path=tmp_path / "model", head=object())

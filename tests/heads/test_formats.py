@@ -9,7 +9,7 @@ from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.events import Token
 from speculative.loader import load_model
-from speculative.mtp import read_checkpoint_head, write_head_folder
+from speculative.heads.mtp import read_checkpoint_head, write_head_folder
 
 PROMPT = "for i in range(10):\n    print(i)\n"
 

@@ -11,8 +11,8 @@ from mlx.utils import tree_flatten
 from helpers import tiny_models
 from speculative.errors import DynoError
 from speculative.loader import load_model
-from speculative.mtp import read_checkpoint_head, read_head_folder, write_head_folder
-from speculative.tensors import read_header, read_tensors
+from speculative.heads.mtp import read_checkpoint_head, read_head_folder, write_head_folder
+from speculative.heads.tensors import read_header, read_tensors
 
 NORMS = ["pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight",
          "layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight",

@@ -23,10 +23,10 @@ from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
 from speculative.events import Round, Token
 from speculative.loader import load_model
-from speculative.mtp import MTPHead
-from speculative.precision import (HEAD_BITS, QWEN_27B, HeadMemory, default_head_bits, module_bytes,
+from speculative.heads.mtp import MTPHead
+from speculative.heads.precision import (HEAD_BITS, QWEN_27B, HeadMemory, default_head_bits, module_bytes,
                                    planned_bytes, quantize_head)
-from speculative.tensors import read_header
+from speculative.heads.tensors import read_header
 from helpers.distribution import FALSE_ALARM, chi_square, exact_joint, sample_tokens
 
 ROOT = Path(__file__).resolve().parents[2]

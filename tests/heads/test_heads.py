@@ -12,9 +12,9 @@ from helpers import tiny_models
 from helpers.reference import plain_greedy
 from helpers.fake_hub import FakeHub
 from helpers import run
-from speculative.heads import PROMISE
+from speculative.heads.find import PROMISE
 from speculative.loader import load_model
-from speculative.tensors import read_header
+from speculative.heads.tensors import read_header
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ import pytest
 from helpers.run import dyno
 
 from dyno_ui.paths import BUNDLED_MODEL, local_folders
-from speculative.head_store import local_models
+from speculative.heads.store import local_models
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").exists(), reason="needs the bundled model")

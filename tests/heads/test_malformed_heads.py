@@ -12,9 +12,9 @@ import pytest
 from helpers import tiny_models
 from helpers.run import dyno
 from speculative.errors import DynoError
-from speculative.heads import cached_head_path
+from speculative.heads.find import cached_head_path
 from speculative.loader import load_model
-from speculative.mtp import read_checkpoint_head, write_head_folder
+from speculative.heads.mtp import read_checkpoint_head, write_head_folder
 
 NOTICE = "dyno: decoding without drafts: "
 INDEX = "model.safetensors.index.json"

@@ -7,7 +7,7 @@ from mlx.utils import tree_flatten
 from helpers import tiny_models
 from speculative.errors import DynoError
 from speculative.loader import load_model
-from speculative.mtp import read_checkpoint_head, write_head_folder
+from speculative.heads.mtp import read_checkpoint_head, write_head_folder
 
 
 def params(lm):

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from speculative import vocab_rank
+from speculative.draft_vocab import rank as vocab_rank
 from speculative.errors import DynoError
-from speculative.heads import cached_head_path
+from speculative.heads.find import cached_head_path
 from speculative.loader import load_model
-from speculative.mtp import read_checkpoint_head, write_head_folder
+from speculative.heads.mtp import read_checkpoint_head, write_head_folder
 
 VOCAB = 320  # helpers.tiny_models.VOCAB
 

@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5
 
-from speculative.mtp import MTPHead, NORM_RE
+from speculative.heads.mtp import MTPHead, NORM_RE
 
 # Configs that vary what the engine must get right: tying, GQA ratio, GDN head ratio, wrapper.
 # Seeds are ones whose greedy text runs 200 tokens without hitting EOS.
@@ -177,7 +177,7 @@ def quantized(source, folder, group_size: int = 32, bits: int = 4):
     """
     from mlx_lm import convert
 
-    from speculative.mtp import read_checkpoint_head, write_head_folder
+    from speculative.heads.mtp import read_checkpoint_head, write_head_folder
 
     source, folder = Path(source), Path(folder)
     model = folder / f"q{bits}g{group_size}"

@@ -15,7 +15,7 @@ from dyno_ui.runtime.textstream import TextAssembler
 from dyno_ui.runtime.outputs import Failed, Finished
 from dyno_ui.runtime.worker import Job, greedy_row, guarded
 from helpers.serving import MODEL_ID, detokenize, running_server
-from speculative.bench import run_mlx_lm
+from speculative.measure.bench import run_mlx_lm
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.stats import GenerationStats

@@ -14,11 +14,11 @@ from typing import Dict, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from .config import SamplingParams, SpecConfig
-from .engine import generate
-from .loader import LoadedModel
-from .sampling import plain_sampler
-from .stats import GenerationStats
+from ..config import SamplingParams, SpecConfig
+from ..engine import generate
+from ..loader import LoadedModel
+from ..sampling import plain_sampler
+from ..stats import GenerationStats
 
 
 @dataclass

@@ -27,8 +27,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from .errors import DynoError, one_line
-from .prefix_cache import (
+from ..errors import DynoError, one_line
+from .store import (
     Checkpoint, PrefixCache, PrefixEntry, ShiftedKVCache, default_budget, is_attention, usable,
 )
 

@@ -16,9 +16,9 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from .cost_model import cost_model, speedup_bound
-from .config import MAX_DRAFT_DEPTH
-from .heads import cache_root
-from .loader import LoadedModel
+from ..config import MAX_DRAFT_DEPTH
+from ..heads.find import cache_root
+from ..loader import LoadedModel
 
 # Acceptance at draft position i when nothing is measured yet: a prior, position 1 about 0.8
 # and each further position about 0.75 of the previous (real heads: 0.93/0.86/0.75 at depth 3
@@ -108,9 +108,9 @@ def measured_acceptance(lm: LoadedModel, prompt: Sequence[int], depth: int, toke
                         draft_vocab: Optional[int] = None) -> Optional[list]:
     """Share of rounds whose draft at each position was accepted, from one short greedy run at `depth`
     (None when too few rounds to say): the head's own acceptance instead of the prior."""
-    from .config import SamplingParams, SpecConfig
-    from .engine import generate
-    from .stats import GenerationStats
+    from ..config import SamplingParams, SpecConfig
+    from ..engine import generate
+    from ..stats import GenerationStats
 
     stats = GenerationStats()
     spec = SpecConfig("mtp", depth, draft_vocab=draft_vocab)

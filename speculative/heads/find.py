@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .errors import DynoError, one_line
+from ..errors import DynoError, one_line
 from .mtp import HeadWeights, norm_probe, read_checkpoint_head, read_head_folder, write_head_folder
 from .tensors import INDEX, check_table, checkpoint_files, decode, read_index
 

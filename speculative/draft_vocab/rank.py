@@ -29,8 +29,8 @@ from typing import Callable, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .errors import DynoError, one_line
-from .heads import cache_root, head_cache_dir
+from ..errors import DynoError, one_line
+from ..heads.find import cache_root, head_cache_dir
 
 FILE = "draft_vocab.safetensors"
 FORMAT, VERSION = "dyno-draft-vocab", "1"
@@ -78,7 +78,7 @@ def ranking_path(lm) -> Path:
     source = Path(lm.head_source) if lm.head_source else None
     if source is not None and source.parent.resolve() == head_cache_dir().resolve():
         return source / FILE
-    from .prefix_disk import fingerprint  # the prompt cache's: another quantization hashes differently
+    from ..prompt_cache.disk import fingerprint  # the prompt cache's: another quantization hashes differently
 
     return cache_root() / "draft-vocab" / f"{fingerprint(lm.config, lm.model)[:32]}.safetensors"
 

@@ -22,7 +22,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
-from .errors import DynoError
+from ..errors import DynoError
 from .precision import quantize_head
 from .tensors import INDEX, checkpoint_files, read_header, read_tensors
 

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from .errors import DynoError
+from ..errors import DynoError
 
 RECENT = 4  # the latest checkpoints kept whatever their spacing (regenerate, edit, a dropped <think>)
 MIN_GAP = 16  # tokens: a checkpoint closer than this to a later one is not worth its memory

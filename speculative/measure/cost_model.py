@@ -1,7 +1,7 @@
 """The cost model: seconds per 1-token trunk step (T1), per k+1-token verify (Tv(k)) and per head
 step (Td) on this model and machine, and the speedup they allow: E / (Tv(k)/T1 + k*Td/T1).
 
-`--draft-depth auto` uses it (speculative/tuning.py) without importing the benchmark.
+`--draft-depth auto` uses it (speculative/measure/tuning.py) without importing the benchmark.
 """
 
 import statistics
@@ -10,9 +10,9 @@ from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
-from .cache import restore, snapshot
-from .draft_vocab import draft_lm_head, greedy_token
-from .loader import LoadedModel
+from ..rollback import restore, snapshot
+from ..draft_vocab.head import draft_lm_head, greedy_token
+from ..loader import LoadedModel
 
 
 def queued(build, n: int) -> float:

@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Tuple
 
-from . import heads
-from .errors import DynoError
+from . import find
+from ..errors import DynoError
 
 Notify = Callable[[str], None]
 _FLOATS = {"BF16": (2, "bfloat16"), "F16": (2, "float16"), "F32": (4, "float32")}  # itemsize, name
@@ -24,18 +24,18 @@ def json_object(path: Path) -> Optional[dict]:
 def pull_head(model: str, mtp_base: Optional[str], notify: Notify) -> Tuple[Path, Optional[str]]:
     """Fetch and cache the head for `model` (a folder or repo id): (head folder, base repo), or (folder, None)
     when the checkpoint carries its own head."""
-    hub = heads.Hub(notify)
+    hub = find.Hub(notify)
     folder = Path(model).expanduser()
     if folder.is_dir():
         config = json_object(folder / "config.json") or {}
-        if heads.read_checkpoint_head(folder) is not None:
+        if find.read_checkpoint_head(folder) is not None:
             return folder, None
-        base = heads.find_base(folder, config, hub, mtp_base)
-    elif heads._REPO_ID.match(model):
+        base = find.find_base(folder, config, hub, mtp_base)
+    elif find._REPO_ID.match(model):
         base = mtp_base or (model if hub.ships_head(model) else None)
         if base is None:
             card = hub.file(model, "README.md")
-            base = heads.find_base(card.parent, {}, hub) if card else None
+            base = find.find_base(card.parent, {}, hub) if card else None
     else:
         raise DynoError(f"not a model folder or a repo id: {model}")
     if base is None:
@@ -49,7 +49,7 @@ def pull_head(model: str, mtp_base: Optional[str], notify: Notify) -> Tuple[Path
     def offline_error() -> DynoError:
         return DynoError(f"the head of {base} is not cached and HF_HUB_OFFLINE=1 prevents downloading it")
 
-    return heads.cache_head(base, hub, text_config, offline_error), base
+    return find.cache_head(base, hub, text_config, offline_error), base
 
 
 def planned_memory(model: str, target: Path, base: Optional[str], bits=None, notify: Notify = lambda m: None) -> str:
@@ -62,7 +62,7 @@ def planned_memory(model: str, target: Path, base: Optional[str], bits=None, not
     if folder.is_dir():
         model_config = json_object(folder / "config.json") or {}
     else:
-        found = heads.Hub(notify).file(model, "config.json")
+        found = find.Hub(notify).file(model, "config.json")
         model_config = (json_object(found) or {}) if found else {}
     text = model_config.get("text_config", model_config)
     if base is None:
@@ -81,25 +81,25 @@ def planned_memory(model: str, target: Path, base: Optional[str], bits=None, not
     return f"{precision.format_bytes(n)} at {label}"
 
 
-def head_status(folder: Path, config: dict, hub: heads.Hub) -> str:
+def head_status(folder: Path, config: dict, hub: find.Hub) -> str:
     """in checkpoint / cached / fetchable / none, from file names and headers only: no tensor is
     read, so listing a cache of large models is quick."""
-    if heads.checkpoint_has_head(folder):
+    if find.checkpoint_has_head(folder):
         return "in checkpoint"
     try:
-        base = heads.find_base(folder, config, hub)
+        base = find.find_base(folder, config, hub)
     except DynoError:
         base = None
     if base is None:
         return "none"
-    if heads.cached_head_path(base).exists():
+    if find.cached_head_path(base).exists():
         return "cached"
-    return "fetchable" if not heads.offline() or heads.hf_cache_has_head(base, hub) else f"none (offline; base {base})"
+    return "fetchable" if not find.offline() or find.hf_cache_has_head(base, hub) else f"none (offline; base {base})"
 
 
 def local_models(folders: Iterable[Path], notify: Notify) -> List[Tuple[str, str, str]]:
     """(folder, model_type, head status) of the Qwen3.5-family models among `folders`."""
-    hub = heads.Hub(notify)
+    hub = find.Hub(notify)
     rows = []
     for folder in folders:
         config = json_object(folder / "config.json")

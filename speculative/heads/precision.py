@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .errors import DynoError
+from ..errors import DynoError
 
 HEAD_BITS = (16, 8, 4)  # 16: as stored (bf16, or the checkpoint's float dtype)
 GROUP_SIZE = 64

@@ -6,7 +6,7 @@ rows and leaves every other token at -inf. The verify pass keeps the full vocabu
 stays exact: a greedy draft is only a guess, and a sampled draft's q is the warped distribution
 over the subset (zero outside it), which the lossless rule handles like any other q.
 
-Which tokens: the first N of the model's ranking (vocab_rank.py: by the mass the model puts on each
+Which tokens: the first N of the model's ranking (rank.py: by the mass the model puts on each
 token in its own continuations), and always the special and added tokens (end of turn, think and
 tool-call tags) whatever their rank. `auto` picks N from that ranking (auto_size).
 """
@@ -18,7 +18,7 @@ from typing import Iterable, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import vocab_rank
+from . import rank
 
 FULL = None  # no restriction: the draft step uses the whole lm_head
 AUTO = "auto"  # N from the ranking's counted mass (auto_size)
@@ -61,7 +61,7 @@ def ranked_ids(tokenizer, vocab: int, size: int, order: Optional[Sequence[int]] 
     return sorted(keep)
 
 
-def auto_size(ranking: "vocab_rank.Ranking", vocab: int) -> Optional[int]:
+def auto_size(ranking: "rank.Ranking", vocab: int) -> Optional[int]:
     """N for `auto` (see AUTO_MASS), or FULL: without counts (the id order says nothing of what the
     model writes) or when N would pass AUTO_MAX_SHARE of the vocabulary."""
     if ranking.mass is None:
@@ -132,7 +132,7 @@ def resolve(lm, requested, notify=None) -> Optional[int]:
     its ranking loaded or derived now, so that the notices come while the model loads (to `notify`)."""
     if lm.head is None or lm.target is None or _whole(lm, requested):
         return FULL if requested == AUTO else requested
-    ranking = vocab_rank.ranking(lm, notify)
+    ranking = rank.ranking(lm, notify)
     return auto_size(ranking, lm.target.args.vocab_size) if requested == AUTO else requested
 
 
@@ -146,6 +146,6 @@ def draft_lm_head(lm, size):
         return lm.target.lm_head
     per_target = _built.setdefault(lm.target, {})
     if size not in per_target:  # slicing the rows copies them once per model and size
-        order = vocab_rank.ranking(lm).order
+        order = rank.ranking(lm).order
         per_target[size] = DraftLMHead(lm_head_module(lm.target), ranked_ids(lm.tokenizer, vocab, size, order), vocab)
     return per_target[size]

@@ -15,7 +15,7 @@ from typing import Dict, Iterable, Optional
 import mlx.core as mx
 import numpy as np
 
-from .errors import DynoError
+from ..errors import DynoError
 
 INDEX = "model.safetensors.index.json"
 # safetensors dtype -> (numpy storage dtype, mlx dtype)

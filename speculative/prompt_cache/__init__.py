@@ -1,0 +1,1 @@
+"""The prompt cache: reusable prompt states in memory (store) and on disk (disk)."""
