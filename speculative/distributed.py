@@ -15,7 +15,7 @@
   count, drafts]; every rank continues from rank 0's count and tokens, so caches cannot drift
   (a rank whose float rounding differed would still keep what rank 0 decided). Drafts must match
   rank 0's, since the verify pass already embedded them: a mismatch (mixed hardware) is an error.
-- Sampling: the seed is drawn once, on rank 0, and travels with the job (`Job`); every rank derives
+- Sampling: the seed is drawn once, on rank 0, and travels with the order (`Order`); every rank derives
   the same keys from it and rank 0's acceptance draw is the one every rank keeps, so the draws are
   one process's with that seed (pipeline logits are bit for bit one process's; tensor all-sums
   round differently in the last bits).
@@ -23,7 +23,7 @@
   answering is caught by `Watchdog`, a small process that ends this one with one line on stderr
   when an armed deadline passes: each agreement moves it on by `step_timeout` (a thread would not
   do: the ring backend's init holds the GIL while it waits).
-- Serving: rank 0 runs `generate` (it ships each `Job` to the others first); ranks 1..N-1 run
+- Serving: rank 0 runs `generate` (it ships each `Order` to the others first); ranks 1..N-1 run
   `follow` until `release`. Every collective must be entered by every rank in the same order, so
   nothing that runs collectives may run on rank 0 alone (a warm-up, a cost-model estimate).
 """
@@ -314,16 +314,17 @@ class Ranks:
                 raise DistributedError(f"rank {self.rank}: the group failed: {one_line(e)}") from None
 
 
-# ---- jobs: what rank 0 runs, every rank runs -----------------------------------------------------
+# ---- orders: what rank 0 runs, every rank runs ---------------------------------------------------
 
 @dataclass(frozen=True)
-class Job:
-    """One generation as every rank must run it (the seed already drawn, on rank 0)."""
+class Order:
+    """What rank 0 tells every rank to run: one generation (its seed already drawn, on rank 0), or a
+    ping or a stop. (Not the server's queued Job: this is what travels between ranks.)"""
 
     prompt: Tuple[int, ...]
     params: SamplingParams
     spec: SpecConfig = SpecConfig()
-    prefill_step: int = 2048
+    prefill_step: int = engine.PREFILL_STEP
     kind: str = "generate"  # or "ping" (keep followers' idle deadline) or "stop" (followers return)
 
     def encode(self) -> bytes:
@@ -335,7 +336,7 @@ class Job:
             raise DynoError(f"this request cannot be shared across ranks: {one_line(e)}") from None
 
     @classmethod
-    def decode(cls, data: bytes) -> "Job":
+    def decode(cls, data: bytes) -> "Order":
         d = json.loads(data)
         params = d["params"]
         if params.get("logit_bias"):
@@ -367,23 +368,23 @@ def _broadcast(ranks: Ranks, data: Optional[bytes]) -> bytes:
     return bytes(mx.distributed.all_sum(buf, group=ranks.group).tolist())
 
 
-def share(ranks: Ranks, job: Optional[Job] = None) -> Job:
-    """Rank 0 passes its job; every rank gets it back (followers pass nothing)."""
+def share(ranks: Ranks, order: Optional[Order] = None) -> Order:
+    """Rank 0 passes its order; every rank gets it back (followers pass nothing)."""
     try:
-        return Job.decode(_broadcast(ranks, job.encode() if job is not None else None))
+        return Order.decode(_broadcast(ranks, order.encode() if order is not None else None))
     except RuntimeError as e:
         raise DistributedError(f"rank {ranks.rank}: lost the other ranks: {one_line(e)}") from None
 
 
-def _prefill_allowance(ranks: Ranks, job: Job) -> float:
-    return ranks.step_timeout * (1 + len(job.prompt) // job.prefill_step)
+def _prefill_allowance(ranks: Ranks, order: Order) -> float:
+    return ranks.step_timeout * (1 + len(order.prompt) // order.prefill_step)
 
 
-def _run(lm: LoadedModel, job: Job) -> Iterator:
-    """The job's events on this rank, under the group's deadline; ends quietly on rank 0's halt."""
+def _run(lm: LoadedModel, order: Order) -> Iterator:
+    """The order's events on this rank, under the group's deadline; ends quietly on rank 0's halt."""
     ranks = lm.ranks
-    events = engine.generate(lm, list(job.prompt), job.params, job.spec, prefill_step=job.prefill_step)
-    with ranks.guarded(_prefill_allowance(ranks, job)):
+    events = engine.generate(lm, list(order.prompt), order.params, order.spec, prefill_step=order.prefill_step)
+    with ranks.guarded(_prefill_allowance(ranks, order)):
         try:
             yield from events
         except _Halt:
@@ -391,15 +392,15 @@ def _run(lm: LoadedModel, job: Job) -> Iterator:
 
 
 def generate(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams, spec: SpecConfig = SpecConfig(),
-             prefill_step: int = 2048) -> Iterator:
-    """Rank 0: engine.generate across the group. The job (seed drawn here when none is given) goes
+             prefill_step: int = engine.PREFILL_STEP) -> Iterator:
+    """Rank 0: engine.generate across the group. The order (seed drawn here when none is given) goes
     to the followers (`follow`), then every rank runs it; this rank's events come back. Closing the
     stream early (stop string, cancel) runs one more round so that the followers stop with it
     (plain decoding has no agreement to carry that: it runs to EOS or max_tokens). No prefix
     cache: each rank's would evict by its own shard's bytes, and the ranks' caches must match."""
     ranks = lm.ranks
-    job = share(ranks, Job(tuple(prompt), with_seed(params), spec, prefill_step))
-    events = _run(lm, job)
+    order = share(ranks, Order(tuple(prompt), with_seed(params), spec, prefill_step))
+    events = _run(lm, order)
     finished = False
     try:
         for event in events:
@@ -422,7 +423,7 @@ def _halt(ranks: Ranks, events: Iterator) -> None:
 
 
 def follow(lm: LoadedModel, idle_timeout: Optional[float] = None) -> int:
-    """Ranks 1..N-1: run rank 0's jobs until it sends "stop"; returns the number of generations.
+    """Ranks 1..N-1: run rank 0's orders until it sends "stop"; returns the number of generations.
 
     With `idle_timeout` (and the Ranks' watchdog), a follower that hears nothing, not even a
     `keepalive`, for that long ends with one line: rank 0 died or hangs.
@@ -434,21 +435,21 @@ def follow(lm: LoadedModel, idle_timeout: Optional[float] = None) -> int:
         with (dog.deadline(idle_timeout, error_line(ranks.rank, f"nothing from rank 0 for {idle_timeout:g} s: "
                                                                 "it died or cannot be reached"))
               if dog else nullcontext()):
-            job = share(ranks)
-        if job.kind == "stop":
+            order = share(ranks)
+        if order.kind == "stop":
             return done
-        if job.kind == "generate":
-            for _ in _run(lm, job):
+        if order.kind == "generate":
+            for _ in _run(lm, order):
                 pass
             done += 1
 
 
 def keepalive(lm: LoadedModel) -> None:
     """Rank 0, while idle: tell the followers it is alive (their idle deadline starts again)."""
-    share(lm.ranks, Job((), SamplingParams(), kind="ping"))
+    share(lm.ranks, Order((), SamplingParams(), kind="ping"))
 
 
 def release(lm: LoadedModel) -> None:
     """Rank 0: the followers return from `follow` (at shutdown)."""
-    share(lm.ranks, Job((), SamplingParams(), kind="stop"))
+    share(lm.ranks, Order((), SamplingParams(), kind="stop"))
 

@@ -86,13 +86,13 @@ def generate(
     except GeneratorExit:  # the consumer stopped at a token: the caches are consistent there
         steps.close()
         if prefix_cache is not None and n:
-            prefix_cache.put(runner.snapshot(n))
+            prefix_cache.put(runner.settle(n))
         raise
     steps.close()
     prefill = (first_at or start) - start
     decode = (last_at or start) - (first_at or start)
     if prefix_cache is not None:
-        prefix_cache.put(runner.snapshot(n))
+        prefix_cache.put(runner.settle(n))
     yield Done(reason, len(prompt), n, prefill, decode, len(resume) if resume else 0)
 
 
@@ -145,7 +145,7 @@ class PlainRun:
             self.fed.append(int(token))
             yield Token(int(token), Provenance.PLAIN, *scored(logprobs, [int(token)], p.logprobs))
 
-    def snapshot(self, emitted: int) -> PrefixEntry:
+    def settle(self, emitted: int) -> PrefixEntry:
         """The cache for reuse; generate_step feeds each token before yielding it, so it holds all."""
         return PrefixEntry(tuple(self.fed), self.cache, checkpoints=self.checkpoints)
 
@@ -159,7 +159,7 @@ def local_outcome(next_token: mx.array, n_accepted: Optional[mx.array] = None,
 
 
 class LastPass(NamedTuple):
-    """The latest trunk pass, kept so that `snapshot` can settle the caches at any emitted token."""
+    """The latest trunk pass, kept so that `settle` can roll the caches back to any emitted token."""
 
     tapes: List[GDNTape]  # what its GDN layers saw (empty after prefill: nothing to roll back)
     hidden: mx.array  # [1, T, H] trunk hiddens of the tokens it fed
@@ -246,7 +246,7 @@ class Speculator:
         before = hidden[:, -1:] if hidden is not None else None  # h_{n-2}, when this run computed it
         hidden = self.target.hidden(tokens[None, n - 1 :], self.trunk_cache)
         logits = self._process(self.target.lm_head(hidden[:, -1]))
-        first, _ = self._pick_target(logits)
+        first = self._pick_target(logits)
         first_id = self.outcome(first)[0]
         first = mx.array([first_id], dtype=first.dtype)
         self.scores = self._scored(logits, [first_id])
@@ -260,10 +260,11 @@ class Speculator:
         return scored(log_softmax(logits) if self.params.logprobs is not None else None, tokens,
                       self.params.logprobs)
 
-    def _pick_target(self, logits: mx.array):
+    def _pick_target(self, logits: mx.array) -> mx.array:
+        """The trunk's token for a [1, V] logits row: argmax when greedy, else a draw from the warp."""
         if self.params.greedy:
-            return mx.argmax(log_softmax(logits), axis=-1), None
-        return draw(warp(logits, self.params), self._split()), None
+            return mx.argmax(log_softmax(logits), axis=-1)
+        return draw(warp(logits, self.params), self._split())
 
     def draft(self, k: int):
         """k head drafts by recursion: ([k] tokens, [k, V] draft probs or None when greedy)."""
@@ -355,7 +356,7 @@ class Speculator:
             yield Token(nxt, Provenance.BONUS if len(accepted) == self.depth else Provenance.CORRECTION,
                         self.scores[-1])
 
-    def snapshot(self, emitted: int) -> PrefixEntry:
+    def settle(self, emitted: int) -> PrefixEntry:
         """The caches settled to the prompt and the first `emitted` tokens minus the last.
 
         The consumer may stop inside a round (EOS, max_tokens or a stop before its last token, or

@@ -46,9 +46,9 @@ def cmd_head_pull(args) -> int:
 
 def cmd_head_list(args) -> int:
     from speculative.heads.store import json_object
-    from speculative.heads.find import head_cache_dir
+    from speculative.heads.find import cached_heads_dir
 
-    root = head_cache_dir()
+    root = cached_heads_dir()
     rows = []
     for folder in sorted(root.glob("*")) if root.is_dir() else []:
         cfg_path = folder / "config.json"

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import DynoError, one_line
-from ..heads.find import cache_root, head_cache_dir
+from ..heads.find import dyno_cache_dir, cached_heads_dir
 
 FILE = "draft_vocab.safetensors"
 FORMAT, VERSION = "dyno-draft-vocab", "1"
@@ -76,11 +76,11 @@ def ranking(lm, notify: Optional[Notify] = None) -> Ranking:
 def ranking_path(lm) -> Path:
     """Beside the head when it came from Dyno's cache, else in the cache under the trunk's fingerprint."""
     source = Path(lm.head_source) if lm.head_source else None
-    if source is not None and source.parent.resolve() == head_cache_dir().resolve():
+    if source is not None and source.parent.resolve() == cached_heads_dir().resolve():
         return source / FILE
     from ..prompt_cache.disk import fingerprint  # the prompt cache's: another quantization hashes differently
 
-    return cache_root() / "draft-vocab" / f"{fingerprint(lm.config, lm.model)[:32]}.safetensors"
+    return dyno_cache_dir() / "draft-vocab" / f"{fingerprint(lm.config, lm.model)[:32]}.safetensors"
 
 
 def _find(lm, notify: Notify) -> Ranking:

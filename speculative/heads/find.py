@@ -16,28 +16,31 @@ from ..errors import DynoError, one_line
 from .mtp import HeadWeights, norm_probe, read_checkpoint_head, read_head_folder, write_head_folder
 from .tensors import INDEX, check_table, checkpoint_files, decode, read_index
 
-SINGLE = "model.safetensors"
 PROMISE = "Set HF_HUB_OFFLINE=1 to prevent the download, or pass --mtp-head <folder>."
 MAX_CHAIN = 6  # base_model hops before giving up (fine-tune -> quantized -> ... -> original)
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 Notify = Callable[[str], None]
 
 
-def cache_root() -> Path:
-    """DYNO_CACHE, else $XDG_CACHE_HOME/dyno, else ~/.cache/dyno."""
+def dyno_cache_dir() -> Path:
+    """Dyno's own cache folder (heads, rankings, tuned depths; not the Hugging Face cache).
+
+    DYNO_CACHE, else $XDG_CACHE_HOME/dyno, else ~/.cache/dyno.
+    """
     if os.environ.get("DYNO_CACHE"):
         return Path(os.environ["DYNO_CACHE"]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "dyno"
 
 
-def head_cache_dir() -> Path:
-    return cache_root() / "mtp"
+def cached_heads_dir() -> Path:
+    """Where Dyno keeps the heads it extracted or fetched."""
+    return dyno_cache_dir() / "mtp"
 
 
 def cached_head_path(repo_id: str) -> Path:
     """One head per base model: <cache>/mtp/<org>--<name>."""
-    return head_cache_dir() / repo_id.replace("/", "--")
+    return cached_heads_dir() / repo_id.replace("/", "--")
 
 
 def offline() -> bool:
@@ -295,7 +298,7 @@ def _get_range(session, url: str, headers: dict, start: int, end: int, bar=None)
 
 def _offline_error(model_folder: Path, repos: List[str]) -> DynoError:
     return DynoError(
-        f"no MTP head for {model_folder.name}: looked for {', '.join(repos)} in {head_cache_dir()} and in "
+        f"no MTP head for {model_folder.name}: looked for {', '.join(repos)} in {cached_heads_dir()} and in "
         f"the Hugging Face cache; HF_HUB_OFFLINE=1 prevents downloading it. Pass --mtp-head <folder>."
     )
 

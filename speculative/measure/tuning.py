@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from .cost_model import cost_model, speedup_bound
 from ..config import MAX_DRAFT_DEPTH
-from ..heads.find import cache_root
+from ..heads.find import dyno_cache_dir
 from ..loader import LoadedModel
 
 # Acceptance at draft position i when nothing is measured yet: a prior, position 1 about 0.8
@@ -29,7 +29,7 @@ ESTIMATE_PROMPT = ('import os\nimport sys\n\n\ndef list_files(root, suffix=".py"
 
 
 def tune_file() -> Path:
-    return cache_root() / "tune.json"
+    return dyno_cache_dir() / "tune.json"
 
 
 def machine_key(lm: LoadedModel, draft_vocab: Optional[int] = None) -> str:

@@ -174,7 +174,7 @@ def take_tokens(steps, n, after_round=False):
 
 @pytest.mark.parametrize("emitted, after_round", [(1, False), (2, False), (4, False), (5, False), (6, False),
                                                   (9, False), (1, True), (6, True)])
-def test_snapshot_settles_a_stop_inside_a_round(tiny_lm, emitted, after_round):
+def test_settle_handles_a_stop_inside_a_round(tiny_lm, emitted, after_round):
     """Depth 4: tokens 2..6 come from one round; stopping after any of them leaves the trunk ahead."""
     lm = tiny_lm()
     prompt = lm.tokenizer.encode(TURNS[0])
@@ -182,7 +182,7 @@ def test_snapshot_settles_a_stop_inside_a_round(tiny_lm, emitted, after_round):
     first = OracleSpeculator(lm, SamplingParams(max_tokens=20), 4, 2048, reference=reference)
     got = take_tokens(first.run(prompt), emitted, after_round)
     assert got == reference[:emitted]
-    entry = first.snapshot(emitted)
+    entry = first.settle(emitted)
     assert entry.tokens == tuple(prompt + got[:-1])
     assert entry.trunk_cache[3].offset == len(entry.tokens)  # layer 3 is full attention
     assert entry.head_cache[0].offset == len(entry.tokens) - 1
