@@ -37,8 +37,12 @@ def generate(
     prefix_cache: Optional[PrefixCache] = None,
     boundaries: Sequence[int] = (),
     until: Optional[Callable[[], Optional[str]]] = None,
+    runner: Optional[Callable[..., "Runner"]] = None,
 ) -> Iterator[Event]:
     """Generate from `prompt` token ids; drafts with the MTP head unless off or headless.
+
+    `runner(lm, params, spec, prefill_step)` makes the generation's runner (default `default_runner`:
+    a Speculator when drafting, else a PlainRun); tools pass an instrumented one here.
 
     With a `prefix_cache`, the longest reusable prefix of the prompt is not prefilled again;
     prefill is cut at `boundaries` (positions where later prompts may part from this one, e.g.
@@ -50,14 +54,10 @@ def generate(
     if len(prompt) == 0:
         raise DynoError("the prompt is empty")
     prompt = list(prompt)
-    drafting = spec.mode != "off" and lm.head is not None
-    if drafting:
-        runner = Speculator(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab)
-    else:
-        runner = PlainRun(lm, params, prefill_step)
+    runner = (runner or default_runner)(lm, params, spec, prefill_step)
     resume, cuts = None, []
     if prefix_cache is not None:
-        resume = prefix_cache.take(prompt, head_layers=len(lm.head.layers) if drafting else 0)
+        resume = prefix_cache.take(prompt, head_layers=len(lm.head.layers) if drafts(lm, spec) else 0)
         cuts = prefix_cache.plan(len(prompt), boundaries, len(resume) if resume else 0)
     steps = runner.run(prompt, resume, cuts)
     eos = lm.eos_token_ids
@@ -94,6 +94,18 @@ def generate(
     if prefix_cache is not None:
         prefix_cache.put(runner.settle(n))
     yield Done(reason, len(prompt), n, prefill, decode, len(resume) if resume else 0)
+
+
+def drafts(lm: LoadedModel, spec: SpecConfig) -> bool:
+    """True when a generation with `spec` drafts: speculation not off, and a head loaded."""
+    return spec.mode != "off" and lm.head is not None
+
+
+def default_runner(lm: LoadedModel, params: SamplingParams, spec: SpecConfig, prefill_step: int) -> "Runner":
+    """A Speculator when drafting, else a PlainRun."""
+    if drafts(lm, spec):
+        return Speculator(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab)
+    return PlainRun(lm, params, prefill_step)
 
 
 def segments(start: int, stop: int, cuts: Sequence[int], step: int) -> Iterator[Tuple[int, int]]:
@@ -373,3 +385,6 @@ class Speculator:
         head = self.head_cache if last_hidden is not None else None  # no hidden: its open row cannot be built
         return PrefixEntry(tokens, self.trunk_cache, head, last_hidden,
                            {p: cp for p, cp in self.checkpoints.items() if p < len(tokens)})
+
+
+Runner = Union[Speculator, PlainRun]  # what `generate` drives: run(prompt, resume, cuts), then settle(emitted)

@@ -6,7 +6,7 @@
 Issue 18 keeps a change to the round only if it helps, or is neutral here and removes work a GPU
 backend would wait on; this measures that. `speculative/engine.py` at REV (`git show`) is loaded
 as a sibling module of the current package (its relative imports resolve to today's cache,
-verify, sampling...), and its Speculator is swapped into today's `engine.generate`, so the two
+verify, sampling...), and its Speculator is today's `engine.generate`'s `runner=`, so the two
 differ only in the runner. Per prompt and depth the two alternate (A B, then B A on the next pair,
 so neither always runs second); each run's decode time per round is the time from first to last
 token over the rounds between them. Reported: the median of the paired ratios after/before of the
@@ -17,7 +17,6 @@ same tokens (greedy: it must; sampled with a seed: it does unless the head rows 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import pathlib
@@ -53,26 +52,20 @@ def engine_at(rev: str, name: str):
     return module
 
 
-@contextlib.contextmanager
 def runner(cls):
-    real = engine.Speculator
-    engine.Speculator = cls
-    try:
-        yield
-    finally:
-        engine.Speculator = real
+    """engine.generate's `runner=` for a Speculator class of either revision."""
+    return lambda lm, params, spec, prefill_step: cls(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab)
 
 
 def timed(lm, prompt, params, depth: int, cls) -> dict:
     """One generation: tokens, rounds, and seconds per round from the first token to the last."""
     times, tokens, rounds = [], [], 0
-    with runner(cls):
-        for e in engine.generate(lm, prompt, params, SpecConfig("mtp", depth)):
-            if isinstance(e, Token):
-                times.append(time.perf_counter())
-                tokens.append(e.id)
-            elif isinstance(e, Round):
-                rounds += 1
+    for e in engine.generate(lm, prompt, params, SpecConfig("mtp", depth), runner=runner(cls)):
+        if isinstance(e, Token):
+            times.append(time.perf_counter())
+            tokens.append(e.id)
+        elif isinstance(e, Round):
+            rounds += 1
     # Rounds after the first token's prefill: all of them end between the first and last token.
     return {"tokens": tokens, "rounds": rounds, "per_round": (times[-1] - times[0]) / max(rounds, 1)}
 

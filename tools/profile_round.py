@@ -3,8 +3,9 @@
     python tools/profile_round.py [--model assets/dyno-tiny] [--depths 1 3] [--max-tokens 200]
                                   [--suite code] [--pairs 1] [--temp 0] [--json FILE]
 
-Method. The engine is not changed: `Profiled` subclasses speculative.engine.Speculator and wraps
-the calls `step` already makes, so each phase of a round ends at a call the engine makes anyway:
+Method. The engine is not changed: `Profiled` subclasses speculative.engine.Speculator, is passed to
+engine.generate as its `runner=`, and wraps the calls `step` already makes, so each phase of a round
+ends at a call the engine makes anyway:
 
     verify        step entry -> `target.verify` returns (the k+1-token trunk pass over the drafts
                   the previous round queued)
@@ -39,7 +40,6 @@ first round of each run is left out (allocation, first-use compiles).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import pathlib
@@ -88,9 +88,8 @@ class _TargetProxy:
 class Profiled(engine.Speculator):
     """A Speculator that records per-round phase times; with `barriers` False only round starts."""
 
-    barriers = True
-
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, barriers: bool = True, **kwargs):
+        self.barriers = barriers
         super().__init__(*args, **kwargs)
         self.round_starts: List[float] = []  # perf_counter at every step entry
         self.rounds: List[Dict[str, List[float]]] = []  # closed rounds: phase -> [wall, device]
@@ -162,23 +161,14 @@ class Profiled(engine.Speculator):
         return out
 
 
-@contextlib.contextmanager
-def profiled(barriers: bool):
-    """engine.generate builds `Profiled` runners inside; yields the list they are appended to."""
-    made: List[Profiled] = []
+def profiled(barriers: bool, made: List[Profiled]):
+    """A runner factory for engine.generate's `runner=`: Profiled runners, each appended to `made`."""
 
-    class Runner(Profiled):
-        def __init__(self, *args, **kwargs):
-            self.barriers = barriers
-            super().__init__(*args, **kwargs)
-            made.append(self)
+    def runner(lm, params, spec, prefill_step):
+        made.append(Profiled(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab, barriers=barriers))
+        return made[-1]
 
-    real = engine.Speculator
-    engine.Speculator = Runner
-    try:
-        yield made
-    finally:
-        engine.Speculator = real
+    return runner
 
 
 def profile_run(lm, prompt: Sequence[int], depth: int, params: SamplingParams, barriers: bool,
@@ -188,8 +178,8 @@ def profile_run(lm, prompt: Sequence[int], depth: int, params: SamplingParams, b
     `phases`: per closed round after the first `skip`, phase -> (host, device); `walls`: those
     rounds' step-entry-to-next-step-entry times; `accepted`: drafts kept per round.
     """
-    with profiled(barriers) as made:
-        events = list(engine.generate(lm, prompt, params, SpecConfig("mtp", depth)))
+    made: List[Profiled] = []
+    events = list(engine.generate(lm, prompt, params, SpecConfig("mtp", depth), runner=profiled(barriers, made)))
     runner = made[0]
     starts = runner.round_starts
     walls = [b - a for a, b in zip(starts, starts[1:])][skip:]

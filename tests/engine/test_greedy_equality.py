@@ -6,7 +6,7 @@ import random
 import pytest
 import mlx.core as mx
 
-from helpers.drafts import record_drafts, replay
+from helpers.drafts import recording_runner, replay
 from helpers.reference import plain_greedy
 from helpers.tiny_models import CONFIGS
 from speculative.config import SamplingParams, SpecConfig
@@ -16,9 +16,9 @@ from speculative.events import Provenance, Round, Token
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 
 
-def run(lm, prompt, depth, n=200, prefill_step=2048):
+def run(lm, prompt, depth, n=200, prefill_step=2048, runner=None):
     events = list(generate(lm, prompt, SamplingParams(max_tokens=n), SpecConfig("mtp", depth),
-                           prefill_step=prefill_step))
+                           prefill_step=prefill_step, runner=runner))
     return [e for e in events if isinstance(e, Token)], [e for e in events if isinstance(e, Round)]
 
 
@@ -36,11 +36,11 @@ CASES = [(name, depth) for name in CONFIGS for depth in (1, 2, 3, 4, 5)
 
 
 @pytest.mark.parametrize("name, depth", CASES)
-def test_greedy_equals_mlx_lm(tiny_lm, monkeypatch, name, depth):
+def test_greedy_equals_mlx_lm(tiny_lm, name, depth):
     lm = tiny_lm(name)
     prompt = lm.tokenizer.encode(PROMPT)
-    drafts = record_drafts(monkeypatch)
-    tokens, rounds = run(lm, prompt, depth)
+    drafts = []
+    tokens, rounds = run(lm, prompt, depth, runner=recording_runner(drafts))
     reference = plain_greedy(lm, prompt, 200 + depth, stop_at_eos=False)  # the last round looks ahead
     assert [t.id for t in tokens] == reference[:200]
     # Exact accounting: one round per draft, each keeping what the rule replayed on its drafts keeps

@@ -30,7 +30,7 @@ def test_phases_add_up_and_output_is_plain_greedy(tiny_lm, tool, depth):
     params = SamplingParams(max_tokens=n)
     on = tool.profile_run(lm, prompt, depth, params, barriers=True, skip=0)
     off = tool.profile_run(lm, prompt, depth, params, barriers=False, skip=0)
-    assert engine.Speculator.__name__ == "Speculator"  # the patch is undone
+    assert engine.Speculator.__name__ == "Speculator"  # nothing rebound: the tool passes a runner
     reference = plain_greedy(lm, prompt, n, stop_at_eos=False)
     assert on["tokens"] == off["tokens"] == reference
     assert len(on["phases"]) == len(on["walls"]) >= 3

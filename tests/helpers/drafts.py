@@ -3,8 +3,28 @@
 from speculative.engine import Speculator
 
 
+class RecordingSpeculator(Speculator):
+    """A Speculator that appends its [k] draft tokens, one array per round, to `log`."""
+
+    def __init__(self, *args, log: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log = log
+
+    def draft(self, k):
+        tokens, probs = super().draft(k)
+        self.log.append(tokens)
+        return tokens, probs
+
+
+def recording_runner(log: list):
+    """engine.generate's `runner=`: a RecordingSpeculator appending to `log`."""
+    return lambda lm, params, spec, prefill_step: RecordingSpeculator(
+        lm, params, spec.draft_depth, prefill_step, spec.draft_vocab, log=log)
+
+
 def record_drafts(monkeypatch) -> list:
-    """The engine's [k] draft tokens, one array per round, recorded as Speculator.draft returns them."""
+    """The drafts of runs started where no `runner=` reaches (inside tuning.resolve_depth): recorded
+    as Speculator.draft returns them, one array per round."""
     log, draft = [], Speculator.draft
 
     def recording(self, k):
