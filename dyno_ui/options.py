@@ -1,5 +1,6 @@
 """What a server runs with, as data: built by `dyno serve` and by `python app.py`, read by the server."""
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple, Union
@@ -7,10 +8,22 @@ from typing import Optional, Tuple, Union
 from speculative.config import SpecConfig
 from speculative.errors import DynoError
 from speculative.heads.precision import parse_head_bits
-from speculative.prompt_cache.store import parse_size
 
 DEFAULT_PORT = 8080
 DEFAULT_MAX_TOKENS = 512
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value, what: str = "size") -> Optional[int]:
+    """Bytes from an int or a string such as `8GB`, `512MiB`, `1.5g` or `0`; None stays None."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise DynoError(f"{what} must be a number of bytes such as 8GB, 512MiB or 0, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclass(frozen=True)

@@ -237,17 +237,6 @@ class Member:
         self.watchdog.close()
 
 
-def split_depth(lm: LoadedModel, requested) -> int:
-    """--draft-depth on a split model: as given, else the depth `dyno tune` stored, else the default.
-    Never a cost-model estimate: its timing runs would be collectives on one rank alone."""
-    from .config import DEFAULT_DRAFT_DEPTH
-    from .measure.tuning import stored
-
-    if requested != "auto":
-        return int(requested)
-    return int((stored(lm) or {}).get("depth", DEFAULT_DRAFT_DEPTH))
-
-
 # ---- the round's agreement ---------------------------------------------------------------------
 
 class _Halt(Exception):

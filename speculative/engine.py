@@ -17,11 +17,11 @@ from .rollback import GDNTape, rollback
 from .config import SamplingParams, SpecConfig
 from .draft_vocab.head import draft_lm_head, greedy_token
 from .errors import DynoError
-from .events import Done, Provenance, Round, Token
+from .events import Done, Provenance, Round, Token, TokenLogprobs
 from .loader import LoadedModel
 from .prompt_cache.store import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
 from .processors import PrefixProcessors, processors_for, with_prefix
-from .sampling import draft_params, draw, log_softmax, plain_sampler, scored, warp
+from .sampling import draft_params, draw, log_softmax, plain_sampler, warp
 from .verify import greedy_accept, lossless_accept
 
 Event = Union[Token, Round, Done]
@@ -117,6 +117,31 @@ def segments(start: int, stop: int, cuts: Sequence[int], step: int) -> Iterator[
             e = min(s + step, end)
             yield s, e
             s = e
+
+
+def scored(logprobs: Optional[mx.array], tokens: Sequence[int], top: Optional[int]) -> List[Optional[TokenLogprobs]]:
+    """Each emitted token's log-probability and its `top` alternatives (None each when `top` is None,
+    without touching MLX: no work and no host sync when logprobs are off).
+
+    `logprobs` is [T, V] (or [V] for one token), T >= len(tokens): row i the log-softmax of the
+    processed logits token i was drawn from (after the logits processors, before the warp). One
+    host sync for all of them.
+    """
+    if top is None or not tokens:
+        return [None] * len(tokens)
+    rows = logprobs.reshape(-1, logprobs.shape[-1])[: len(tokens)].astype(mx.float32)
+    chosen = mx.take_along_axis(rows, mx.array(list(tokens))[:, None], axis=-1)[:, 0]
+    if top:
+        ids = mx.argpartition(-rows, kth=top - 1, axis=-1)[:, :top]
+        values = mx.take_along_axis(rows, ids, axis=-1)
+        order = mx.argsort(-values, axis=-1)  # most likely first
+        ids, values = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+        mx.eval(chosen, ids, values)
+        pairs = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        mx.eval(chosen)
+        pairs = [()] * len(tokens)
+    return [TokenLogprobs(c, p) for c, p in zip(chosen.tolist(), pairs)]
 
 
 class PlainRun:

@@ -9,13 +9,11 @@ arithmetic reads, is float32. Draft rows are warped the same way, but for top-p 
 """
 
 import dataclasses
-from typing import List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import Sampler, apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 from .config import SamplingParams
-from .events import TokenLogprobs
 
 
 def log_softmax(logits: mx.array) -> mx.array:
@@ -77,28 +75,3 @@ def plain_sampler(params: SamplingParams, vocab: int) -> Sampler:
     """mlx-lm's sampler for the paths that do not draft (plain, batched, bench)."""
     return make_sampler(params.temperature, params.top_p, params.min_p,
                         top_k=effective_top_k(params, vocab))
-
-
-def scored(logprobs: Optional[mx.array], tokens: Sequence[int], top: Optional[int]) -> List[Optional[TokenLogprobs]]:
-    """Each emitted token's log-probability and its `top` alternatives (None each when `top` is None,
-    without touching MLX: no work and no host sync when logprobs are off).
-
-    `logprobs` is [T, V] (or [V] for one token), T >= len(tokens): row i the log-softmax of the
-    processed logits token i was drawn from (after the logits processors, before the warp). One
-    host sync for all of them.
-    """
-    if top is None or not tokens:
-        return [None] * len(tokens)
-    rows = logprobs.reshape(-1, logprobs.shape[-1])[: len(tokens)].astype(mx.float32)
-    chosen = mx.take_along_axis(rows, mx.array(list(tokens))[:, None], axis=-1)[:, 0]
-    if top:
-        ids = mx.argpartition(-rows, kth=top - 1, axis=-1)[:, :top]
-        values = mx.take_along_axis(rows, ids, axis=-1)
-        order = mx.argsort(-values, axis=-1)  # most likely first
-        ids, values = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
-        mx.eval(chosen, ids, values)
-        pairs = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    else:
-        mx.eval(chosen)
-        pairs = [()] * len(tokens)
-    return [TokenLogprobs(c, p) for c, p in zip(chosen.tolist(), pairs)]

@@ -44,14 +44,15 @@ def add_commands(sub) -> None:
 def cmd_tune(args) -> int:
     import statistics
 
+    from speculative import load_model
     from speculative.measure.bench import paired_benchmark
-    from speculative.config import SamplingParams
-    from speculative.loader import load_model
-    from speculative.draft_vocab.head import resolve
+    from speculative.config import SamplingParams, SpecConfig
     from speculative.measure.tuning import store, tune_file
 
-    lm = load_model(args.model or default_model(), mode="mtp")
-    vocab = resolve(lm, args.draft_vocab, notify)  # the depth is stored for this draft vocabulary
+    # The depth is measured here (none settled at load) and stored for this draft vocabulary.
+    lm, spec = load_model(args.model or default_model(), mode="mtp", draft_depth=SpecConfig.draft_depth,
+                          draft_vocab=args.draft_vocab, notify=notify)
+    vocab = spec.draft_vocab
     depths = [1, 2, 3, 4]
     ratios = {k: [] for k in depths}
     for item in SUITES["code"][:2]:
@@ -88,9 +89,7 @@ def cmd_bench(args) -> int:
     from speculative.measure.bench import paired_benchmark
     from speculative.measure.cost_model import cost_model, speedup_bound
     from speculative.config import MAX_DRAFT_DEPTH, SamplingParams, SpecConfig
-    from speculative.draft_vocab.head import resolve
-    from speculative.measure.tuning import resolve_depth
-    from speculative.loader import load_model
+    from speculative import load_model
 
     names = [d.strip() for d in args.depths.split(",")]
     try:
@@ -102,9 +101,10 @@ def cmd_bench(args) -> int:
     if args.pairs < 1:
         raise DynoError(f"--pairs must be at least 1, got {args.pairs}")
     SpecConfig("mtp", draft_vocab=args.draft_vocab)  # checked before anything loads
-    lm = load_model(args.model or default_model(), mode="mtp", head_bits=args.mtp_head_bits)
-    vocab = resolve(lm, args.draft_vocab, notify)  # auto: the N it picks for this model (None: full)
-    auto = resolve_depth(lm, "auto", vocab) if "auto" in names else None
+    lm, spec = load_model(args.model or default_model(), mode="mtp", head_bits=args.mtp_head_bits, notify=notify,
+                          draft_depth="auto" if "auto" in names else SpecConfig.draft_depth, draft_vocab=args.draft_vocab)
+    vocab = spec.draft_vocab  # auto: the N it picks for this model (None: full)
+    auto = spec.draft_depth if "auto" in names else None
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     record = {"machine": _machine(), "model": str(lm.path), "quantization": lm.config.get("quantization"),
               "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),

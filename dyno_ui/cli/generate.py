@@ -3,7 +3,7 @@
 import json
 import sys
 
-from speculative.config import SamplingParams, SpecConfig
+from speculative.config import SamplingParams
 from speculative.errors import DynoError
 
 from ..paths import default_model
@@ -35,9 +35,7 @@ def sampling_from(args, generation_config: dict) -> SamplingParams:
 
 
 def cmd_generate(args) -> int:
-    from speculative import load_model
-    from speculative.draft_vocab.head import resolve
-    from speculative.measure.tuning import resolve_depth
+    from speculative import generate, load_model
 
     options = model_options(args)  # every flag checked before anything is loaded
     if args.max_tokens < 1:
@@ -47,28 +45,24 @@ def cmd_generate(args) -> int:
     sampling_from(args, {})
     if options.distributed:
         return _generate_split(args, options)
-    lm = load_model(options.model or default_model(), **options.load_args(), notify=notify)
-    vocab = resolve(lm, options.draft_vocab, notify)
-    spec = SpecConfig(options.speculative, resolve_depth(lm, options.draft_depth, vocab), vocab)
-    from speculative import generate
-
+    lm, spec = load_model(options.model or default_model(), **options.load_args(), draft_depth=options.draft_depth,
+                          draft_vocab=options.draft_vocab, notify=notify)
     return _run(args, lm, spec, generate)
 
 
 def _generate_split(args, options) -> int:
     """`mlx.launch ... dyno generate --distributed S`: every rank loads its part; rank 0 tokenizes,
     generates and prints, the others follow its rounds until it releases them."""
-    from speculative import distributed
+    from speculative import distributed, load_model
 
     member = distributed.Member(options.distributed)
     try:
-        lm = member.load(options.model or default_model(), **options.load_args(),
-                         notify=notify if member.leader else None)
+        lm, spec = load_model(options.model or default_model(), **options.load_args(), draft_depth=options.draft_depth,
+                              draft_vocab=options.draft_vocab, notify=notify if member.leader else None, split=member)
         if not member.leader:
             distributed.follow(lm)
             return 0
         try:
-            spec = SpecConfig(options.speculative, distributed.split_depth(lm, options.draft_depth), options.draft_vocab)
             return _run(args, lm, spec, distributed.generate)
         finally:
             distributed.release(lm)

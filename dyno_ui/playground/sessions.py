@@ -136,20 +136,15 @@ class Sessions:
     def load(self, path: str, notify: Callable[[str], None], head_bits=None, key: Optional[str] = None):
         """A Future of the model at `path` replacing the served one (loaded on the engine thread), its
         head kept at `head_bits` (16, 8, 4; None or "auto": follow the trunk); `key`: the server's API key."""
-        from speculative.loader import load_model
+        from speculative import load_model
         from speculative.heads.precision import parse_head_bits
-        from speculative.draft_vocab.head import AUTO, resolve
-        from speculative.measure.tuning import resolve_depth
 
         self.authorize(key)
         parse_head_bits(head_bits)  # a bad value fails here, not on the engine thread
         folder = Path(path).expanduser()
 
         def load():
-            lm = load_model(folder, mode="auto", notify=notify, head_bits=head_bits)
-            vocab = resolve(lm, AUTO, notify)
-            depth = resolve_depth(lm, "auto", vocab) if lm.head is not None else SpecConfig().draft_depth
-            return lm, SpecConfig("auto", depth, vocab)  # the defaults, as `dyno serve`'s
+            return load_model(folder, notify=notify, head_bits=head_bits)  # the defaults, as `dyno serve`'s
 
         # Until the swap, API requests get a 503 "model loading"; one checked against the old model
         # but queued after the swap is failed by the worker (Job.lm), never served by the new one.

@@ -28,14 +28,14 @@ from mlx_lm.generate import BatchGenerator
 
 from speculative.config import SamplingParams, SpecConfig
 from speculative import distributed
-from speculative.engine import generate
+from speculative.engine import generate, scored
 from speculative.errors import one_line
 from speculative.events import Done, Provenance, Token, TokenLogprobs
 from speculative.loader import LoadedModel
 from speculative.prompt_cache.store import Checkpoint, PrefixCache, entry_from, owned, recurrent_state
 from speculative.prompt_cache.disk import prompt_store
 from speculative.processors import processors_for
-from speculative.sampling import plain_sampler, scored
+from speculative.sampling import plain_sampler
 from speculative.stats import GenerationStats
 
 from .boundaries import message_marker, message_starts

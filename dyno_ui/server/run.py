@@ -8,7 +8,6 @@ import threading
 import time
 from typing import List
 
-from speculative.config import SpecConfig
 from speculative.errors import DynoError
 
 from ..options import ServeOptions
@@ -107,8 +106,6 @@ def run(options: ServeOptions) -> int:
     import uvicorn
 
     from speculative import distributed, load_model
-    from speculative.draft_vocab.head import resolve
-    from speculative.measure.tuning import resolve_depth
 
     from ..runtime.served import ServedModel
     from ..runtime.worker import EngineWorker
@@ -120,19 +117,14 @@ def run(options: ServeOptions) -> int:
     split = distributed.Member(m.distributed) if m.distributed else None
     if split is not None and not split.leader:
         try:  # this rank serves nothing: it runs rank 0's rounds until released
-            distributed.follow(split.load(path, **m.load_args()))
+            distributed.follow(load_model(path, **m.load_args(), split=split)[0])
             return 0
         finally:
             split.close()
 
     def load():
-        if split is not None:
-            lm = split.load(path, **m.load_args(), notify=notify)
-            return lm, SpecConfig(mode, distributed.split_depth(lm, m.draft_depth), m.draft_vocab)
-        lm = load_model(path, **m.load_args(mode), notify=notify)
-        vocab = resolve(lm, m.draft_vocab, notify)
-        depth = resolve_depth(lm, m.draft_depth, vocab) if lm.head is not None else SpecConfig().draft_depth
-        return lm, SpecConfig(mode, depth, vocab)
+        return load_model(path, **m.load_args(mode), draft_depth=m.draft_depth, draft_vocab=m.draft_vocab,
+                          notify=notify, split=split)
 
     # Split across ranks: no prompt cache (each rank's store would evict by its own shard's bytes).
     worker = EngineWorker(load, decode_concurrency=options.decode_concurrency,

@@ -22,7 +22,6 @@ any: prefix_disk.py). It runs on the engine thread only.
 
 import copy
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -30,7 +29,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from ..errors import DynoError
 
 RECENT = 4  # the latest checkpoints kept whatever their spacing (regenerate, edit, a dropped <think>)
 MIN_GAP = 16  # tokens: a checkpoint closer than this to a later one is not worth its memory
@@ -406,20 +404,6 @@ def machine_memory() -> int:
 def default_budget() -> int:
     """The memory budget when none is given: 1/MEMORY_SHARE of the machine's memory."""
     return machine_memory() // MEMORY_SHARE
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(value, what: str = "size") -> Optional[int]:
-    """Bytes from an int or a string such as `8GB`, `512MiB`, `1.5g` or `0`; None stays None."""
-    if value is None or isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise DynoError(f"{what} must be a number of bytes such as 8GB, 512MiB or 0, got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def entry_from(tokens: Sequence[int], trunk_cache: List[Any],

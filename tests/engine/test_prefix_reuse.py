@@ -9,12 +9,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from dyno_ui.options import parse_size
 from helpers.reference import plain_greedy
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
 from speculative.events import Done, Round, Token
 from speculative.prompt_cache.store import (
-    PrefixCache, PrefixEntry, ShiftedKVCache, parse_size, thin,
+    PrefixCache, PrefixEntry, ShiftedKVCache, thin,
 )
 from speculative.prompt_cache.disk import DiskTier, model_keys, prompt_store
 
