@@ -16,7 +16,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="app.py", description="The Dyno playground (Gradio) and OpenAI API.")
     add_model_args(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--host", default=ServeOptions.host, help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", 7860)),
                         help="port (default: $PORT or %(default)s; 0 picks a free one)")
     add_access_args(parser)

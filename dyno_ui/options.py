@@ -9,9 +9,6 @@ from speculative.config import SpecConfig
 from speculative.errors import DynoError
 from speculative.heads.precision import parse_head_bits
 
-DEFAULT_PORT = 8080
-DEFAULT_MAX_TOKENS = 512
-
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -31,7 +28,7 @@ class ModelOptions:
     """Which model to load and how to draft with it (the flags `generate`, `serve` and `app.py` share)."""
 
     model: Optional[Path] = None  # None: $DYNO_MODEL, else the bundled dyno-tiny
-    speculative: str = "auto"
+    speculative: str = SpecConfig.mode
     draft_depth: Union[int, str] = "auto"
     draft_vocab: Union[int, str, None] = "auto"  # N, "auto" (draft_vocab.resolve picks N) or None: full
     mtp_head: Optional[str] = None
@@ -60,9 +57,9 @@ class ServeOptions:
 
     model: ModelOptions = ModelOptions()
     host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
+    port: int = 8080
     decode_concurrency: int = 1
-    max_tokens_default: int = DEFAULT_MAX_TOKENS
+    max_tokens_default: int = 512  # for requests that do not set max_tokens
     ui: bool = True  # the playground at /ui (serial decoding only)
     ui_front: bool = False  # `python app.py`: / redirects to the playground, Gradio's URL line last
     api_key: Optional[str] = None  # required on /v1/* and for loading models in the playground

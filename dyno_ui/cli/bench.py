@@ -11,6 +11,7 @@ from speculative.errors import DynoError
 
 from speculative.measure.suites import SUITES, encode
 
+from ..options import ModelOptions
 from ..paths import default_model
 from .common import DRAFT_VOCAB_HELP, draft_vocab, notify
 
@@ -28,7 +29,7 @@ def add_commands(sub) -> None:
     b.add_argument("--top-k", type=int, default=20, help="top-k when T > 0 (default: %(default)s)")
     b.add_argument("--max-tokens", type=int, default=200)
     b.add_argument("--pairs", type=int, default=5, help="measured cycles per prompt (default: %(default)s)")
-    b.add_argument("--draft-vocab", type=draft_vocab, default="auto", metavar="N|auto|full", help=DRAFT_VOCAB_HELP)
+    b.add_argument("--draft-vocab", type=draft_vocab, default=ModelOptions.draft_vocab, metavar="N|auto|full", help=DRAFT_VOCAB_HELP)
     b.add_argument("--json", metavar="FILE", help="write the JSON record here")
     b.add_argument("--plot", metavar="FILE", help="write a Plotly chart (FILE.html, and FILE.png if kaleido works)")
     b.set_defaults(func=cmd_bench)
@@ -37,7 +38,7 @@ def add_commands(sub) -> None:
     t.add_argument("--model", help="model folder (default: the bundled dyno-tiny)")
     t.add_argument("--max-tokens", type=int, default=120)
     t.add_argument("--pairs", type=int, default=3)
-    t.add_argument("--draft-vocab", type=draft_vocab, default="auto", metavar="N|auto|full", help=DRAFT_VOCAB_HELP)
+    t.add_argument("--draft-vocab", type=draft_vocab, default=ModelOptions.draft_vocab, metavar="N|auto|full", help=DRAFT_VOCAB_HELP)
     t.set_defaults(func=cmd_tune)
 
 

@@ -45,12 +45,14 @@ def draft_vocab(value: str):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder (default: the bundled dyno-tiny, or $DYNO_MODEL)")
-    p.add_argument("--speculative", choices=MODES, default="auto",
-                   help="auto: draft when the model has an MTP head (default); mtp: require one; off: plain decoding")
-    p.add_argument("--draft-depth", type=draft_depth, default="auto", metavar="K",
+    p.add_argument("--speculative", choices=MODES, default=ModelOptions.speculative,
+                   help="auto: draft when the model has an MTP head; mtp: require one; off: plain decoding "
+                        "(default: %(default)s)")
+    p.add_argument("--draft-depth", type=draft_depth, default=ModelOptions.draft_depth, metavar="K",
                    help=f"tokens drafted per round, 1..{MAX_DRAFT_DEPTH}, or auto: the depth `dyno tune` "
-                        f"stored for this model and machine, else a cost-model estimate (default: auto)")
-    p.add_argument("--draft-vocab", type=draft_vocab, default="auto", metavar="N|auto|full", help=DRAFT_VOCAB_HELP)
+                        f"stored for this model and machine, else a cost-model estimate (default: %(default)s)")
+    p.add_argument("--draft-vocab", type=draft_vocab, default=ModelOptions.draft_vocab, metavar="N|auto|full",
+                   help=DRAFT_VOCAB_HELP)
     p.add_argument("--mtp-head", metavar="DIR", help="a standalone MTP head folder to use")
     p.add_argument("--mtp-head-bits", metavar="{16,8,4}", help=HEAD_BITS_HELP)
     p.add_argument("--mtp-base", metavar="REPO",

@@ -16,7 +16,8 @@ def add_command(sub) -> None:
     add_model_args(gen)
     gen.add_argument("--prompt", required=True, help="prompt text (raw unless --chat)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=256, metavar="N", help="default: %(default)s")
+    gen.add_argument("--max-tokens", type=int, default=SamplingParams.max_tokens, metavar="N",
+                     help="default: %(default)s")
     gen.add_argument("--temp", type=float, default=None, metavar="T",
                      help="temperature; 0 is greedy (default: the model's generation_config, else 0)")
     gen.add_argument("--top-p", type=float, default=None, metavar="P")

@@ -1,6 +1,6 @@
 """`dyno serve`: the flags, as ServeOptions for the server."""
 
-from ..options import DEFAULT_MAX_TOKENS, DEFAULT_PORT, ServeOptions
+from ..options import ServeOptions
 from .common import access_options, add_access_args, add_model_args, model_options
 
 
@@ -10,11 +10,11 @@ def add_command(sub) -> None:
                        description="An OpenAI-compatible server with the Anthropic Messages API beside it; MTP "
                                    "drafting on when it is safe and exact.")
     add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0 picks a free one)")
-    p.add_argument("--decode-concurrency", type=int, default=1, metavar="N",
-                   help="requests decoded together; above 1 they are batched without drafting (default: 1)")
-    p.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+    p.add_argument("--host", default=ServeOptions.host, help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=ServeOptions.port, help="port (default: %(default)s; 0 picks a free one)")
+    p.add_argument("--decode-concurrency", type=int, default=ServeOptions.decode_concurrency, metavar="N",
+                   help="requests decoded together; above 1 they are batched without drafting (default: %(default)s)")
+    p.add_argument("--max-tokens-default", type=int, default=ServeOptions.max_tokens_default, metavar="N",
                    help="max_tokens for requests that do not set it (default: %(default)s)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the Gradio playground at /ui")
     p.add_argument("--prompt-cache-bytes", metavar="SIZE",
