@@ -131,7 +131,7 @@ class SpecConfig:
 
     mode: str = "auto"
     draft_depth: int = DEFAULT_DRAFT_DEPTH
-    draft_vocab: Union[int, str, None] = None  # tokens the draft step scores: N, "auto" or None (all); draft_vocab.py
+    draft_vocab: Union[int, str, None] = None  # tokens the draft step scores: N, "auto" or None (all); draft_vocab/head.py
 
     def __post_init__(self):
         if self.mode not in MODES:

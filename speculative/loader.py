@@ -77,7 +77,7 @@ def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_bas
 
     `notify` receives notices while loading (e.g. before a head download, and the head's
     `MTP head: ...` memory line); they are also kept in `notices`. `head_bits` (16, 8, 4, or
-    None/"auto": follow the trunk, see precision.py) is the precision the head is kept at.
+    None/"auto": follow the trunk, see heads/precision.py) is the precision the head is kept at.
     `shard` (distributed.py) splits the lazily loaded model before its weights are read.
     """
     precision.parse_head_bits(head_bits)  # a bad value fails before anything loads
@@ -131,7 +131,7 @@ def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_bas
 
 def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: Optional[str], note,
                  bits=None) -> None:
-    """Find the head (see heads.resolve_head), check it fits, build it; a head that cannot be
+    """Find the head (see heads.find.resolve_head), check it fits, build it; a head that cannot be
     used is a notice in "auto" and one DynoError line in "mtp", never a traceback."""
     try:
         _find_and_build_head(lm, mode, mtp_head, mtp_base, note, bits)

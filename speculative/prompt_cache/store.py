@@ -17,7 +17,7 @@ request with a head cache that starts empty at the resume point (ShiftedKVCache)
 guesses, so output stays exact; a drafting entry serves a plain request by its trunk alone.
 
 The store is bounded by bytes and evicts the least recently used entry (to the disk tier, if
-any: prefix_disk.py). It runs on the engine thread only.
+any: disk.py). It runs on the engine thread only.
 """
 
 import copy
@@ -270,7 +270,7 @@ class PrefixCache:
     """Entries of earlier generations, bounded by bytes, least recently used evicted first.
 
     `take` hands out the caches at the longest usable position of a prompt; `put` keeps the state
-    after a generation. `disk` (prefix_disk.DiskTier) receives evicted entries and, on `close`,
+    after a generation. `disk` (disk.DiskTier) receives evicted entries and, on `close`,
     live ones, and serves entries it holds when memory has nothing as long.
     """
 
