@@ -44,7 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from speculative import vocab_rank  # noqa: E402
+from speculative.draft_vocab import rank as vocab_rank  # noqa: E402
 from speculative.measure.cost_model import interleaved  # noqa: E402
 from speculative.draft_vocab.head import DraftLMHead, auto_size, lm_head_module, ranked_ids  # noqa: E402
 from speculative.loader import load_model  # noqa: E402
