@@ -73,7 +73,7 @@ def test_an_api_imports_only_the_runtime_and_the_servers_shared_helpers(api):
     assert violations(api, lambda n: under(n, "dyno_ui", "speculative") and not under(n, *allowed)) == []
 
 
-# Request fields and tool shapes of the OpenAI and Anthropic APIs: the APIs translate them, the engine reads its own specs.
+# Request fields of the OpenAI and Anthropic APIs: the APIs translate them, the engine reads its own specs.
 WIRE_NAMES = ("response_format", "input_schema", "tool_choice", "output_config", "OpenAI", "Anthropic")
 
 

@@ -31,7 +31,8 @@ OPENAI = {
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": ASK},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
     ],
     "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -146,7 +147,8 @@ def test_tool_choice_picks_the_tools_a_call_may_name(served):
     assert one["properties"]["arguments"] == ADD
     both = tool_call_schema(callable_tools(from_openai(tools=openai_tools, tool_choice="required")))
     assert [s["properties"]["name"]["const"] for s in both["anyOf"]] == ["get_weather", "add"]
-    anthropic = from_anthropic(tools=[{"name": "add", "input_schema": ADD}], tool_choice={"type": "tool", "name": "add"})
+    anthropic = from_anthropic(tools=[{"name": "add", "input_schema": ADD}],
+                               tool_choice={"type": "tool", "name": "add"})
     assert tool_call_schema(callable_tools(anthropic)) == one
     with pytest.raises(DynoError, match="no tool named 'mul' in tools"):
         callable_tools(from_openai(tool_choice={"type": "function", "function": {"name": "mul"}}))
