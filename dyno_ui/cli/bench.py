@@ -21,7 +21,8 @@ def add_commands(sub) -> None:
     b.add_argument("--model", help="model folder (default: the bundled dyno-tiny)")
     b.add_argument("--suite", default="code", choices=[*SUITES, "all"])
     b.add_argument("--mtp-head-bits", metavar="{16,8,4}",
-                   help="precision the MTP head is kept at (default: follow the trunk; README, Head memory)")
+                   help="precision the MTP head is kept at "
+                        "(default: follow the trunk; docs/heads.md, Head memory)")
     b.add_argument("--depths", default="1,2,3,4", help="comma-separated draft depths; `auto` adds the depth --draft-depth auto picks (default: %(default)s)")
     b.add_argument("--temp", type=float, nargs="+", default=[0.0], metavar="T", help="temperatures (default: 0)")
     b.add_argument("--top-p", type=float, default=0.95, help="top-p when T > 0 (default: %(default)s)")
