@@ -1,4 +1,7 @@
-"""Structured output: a grammar (any JSON object, a JSON schema, a tool call) as a logits processor.
+"""Structured output: a grammar (any JSON object, a JSON schema, tool calls) as a logits processor.
+
+What to hold the output to comes as a spec (JsonSchema, ToolCalls) and `constraint_for` compiles it;
+the specs are the engine's own terms, so each API translates its request fields into them.
 
 llguidance compiles the grammar against the model's vocabulary and answers, for a generated
 prefix, which tokens keep the output inside the grammar; every other token gets -inf, and EOS is
@@ -16,7 +19,7 @@ schema compiles in ~2 ms (outlines-core: 0.8 s on 131k, and 7-18 s for "any JSON
 import json
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import llguidance
 import mlx.core as mx
@@ -24,7 +27,7 @@ import numpy as np
 
 from .errors import DynoError
 
-JSON_OBJECT = {"type": "object"}  # response_format json_object: any JSON object, as vLLM and OpenAI read it
+JSON_OBJECT = {"type": "object"}  # what "any JSON object" compiles to
 # Whitespace between JSON tokens, bounded as llama.cpp's JSON grammars bound it: unbounded, a model
 # can fill max_tokens with spaces. A schema's own "x-guidance" whitespace options replace these.
 JSON_OPTIONS = {"whitespace_pattern": r"[ \t]{0,20}|\n{1,2}[ \t]{0,20}"}
@@ -33,6 +36,42 @@ JSON_OPTIONS = {"whitespace_pattern": r"[ \t]{0,20}|\n{1,2}[ \t]{0,20}"}
 TOOL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Qwen's JSON tool-call form (its chat templates' <tool_call> block around {"name", "arguments"}).
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
+FORMS = ("json", "xml")  # the tool-call forms a grammar can hold a call to
+NO_TOOLS = "invalid tool calls: no tools were given"
+
+
+@dataclass(frozen=True)
+class JsonSchema:
+    """Output that is one JSON value valid against `schema`; None: any JSON object."""
+
+    schema: Optional[Mapping] = None
+
+
+@dataclass(frozen=True)
+class ToolSchema:
+    """A tool a call may name: its name and the JSON schema of its arguments."""
+
+    name: str
+    parameters: Mapping
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    """Output that is `open` + a call of one of `tools` + `close`, repeated when `parallel` (calls
+    separated by a newline, as Qwen's templates write them).
+
+    form "json": the call is Qwen's JSON object (tool_call_schema). form "xml": the
+    `<function=NAME>` / `<parameter=KEY>` form of Qwen3.5 and Qwen3-Coder templates (xml_call_lark).
+    """
+
+    tools: Tuple[ToolSchema, ...]
+    form: str = "json"
+    parallel: bool = True
+    open: str = TOOL_CALL_OPEN
+    close: str = TOOL_CALL_CLOSE
+
+
+Spec = Union[JsonSchema, ToolCalls]
 
 
 class Vocabulary:
@@ -74,7 +113,7 @@ class Constraint:
 
     grammar: str  # llguidance's grammar (JSON text)
     vocabulary: Vocabulary = field(repr=False)
-    kind: str = "json_schema"  # what it was made from: json_object, json_schema, tool_call, lark
+    kind: str = "json_schema"  # what it was made from: json_object, json_schema, tool_call, or a combination
 
     def __deepcopy__(self, memo):  # frozen and immutable: dataclasses.asdict may copy SamplingParams
         return self
@@ -109,142 +148,53 @@ def _schema_grammar(schema: Any, what: str) -> str:
         raise DynoError(f"invalid {what}: {_first_line(e)}") from None
 
 
-def json_schema_constraint(schema: Mapping, lm) -> Constraint:
-    """Output that is one JSON value valid against `schema` (properties in the schema's order)."""
-    return _compile(_schema_grammar(schema, "JSON schema"), lm, "json_schema", "JSON schema")
+def constraint_for(spec: Spec, lm) -> Constraint:
+    """`spec` compiled for the model's vocabulary; a bad schema or form is one DynoError line."""
+    if isinstance(spec, JsonSchema):
+        kind = "json_object" if spec.schema is None else "json_schema"
+        schema = JSON_OBJECT if spec.schema is None else spec.schema
+        return _compile(_schema_grammar(schema, "JSON schema"), lm, kind, "JSON schema")
+    if isinstance(spec, ToolCalls):
+        return _tool_calls(spec, lm)
+    raise DynoError(f"not a constraint spec: {type(spec).__name__}")
 
 
-def json_object_constraint(lm) -> Constraint:
-    """Output that is one JSON object (response_format {"type": "json_object"})."""
-    return _compile(_schema_grammar(JSON_OBJECT, "JSON schema"), lm, "json_object", "JSON schema")
-
-
-def lark_constraint(grammar: str, lm) -> Constraint:
-    """Output matching a grammar in llguidance's Lark syntax (which embeds JSON schemas as %json)."""
-    return _compile(llguidance.LLMatcher.grammar_from_lark(grammar), lm, "lark", "grammar")
-
-
-def constraint_from_response_format(response_format: Optional[Mapping], lm) -> Optional[Constraint]:
-    """OpenAI Chat Completions' `response_format` as a Constraint (None for text or absent).
-
-    {"type": "json_object"} is any JSON object; {"type": "json_schema", "json_schema": {"schema":
-    ..., "strict": ...}} is the schema, enforced whatever `strict` says (a schema-less json_schema is
-    any JSON object). Anything else raises DynoError naming the problem.
-    """
-    if response_format is None:
-        return None
-    if not isinstance(response_format, Mapping):
-        raise DynoError("invalid response_format: must be an object")
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return json_object_constraint(lm)
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, Mapping):
-            raise DynoError("invalid response_format: json_schema must be an object with a schema")
-        if spec.get("schema") is None:
-            return json_object_constraint(lm)
-        return json_schema_constraint(spec["schema"], lm)
-    raise DynoError(f"invalid response_format: type must be text, json_object or json_schema, got {kind!r}")
-
-
-def _tool_function(tool: Any) -> Mapping:
-    """The {name, parameters} part of a tool: OpenAI's {"type": "function", "function": {...}} or
-    Anthropic's {"name", "input_schema"}."""
-    function = tool.get("function", tool) if isinstance(tool, Mapping) else None
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        raise DynoError("invalid tools: each tool needs a function with a name")
-    return function
-
-
-def _chosen_name(choice: Any) -> Optional[str]:
-    """The tool a named tool_choice picks: OpenAI {"type": "function", "function": {"name"}},
-    Anthropic {"type": "tool", "name"}, or the bare name."""
-    if isinstance(choice, str):
-        return choice
-    if isinstance(choice, Mapping):
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, Mapping) else choice.get("name")
-        if isinstance(name, str):
-            return name
-    raise DynoError(f"invalid tool_choice: {choice!r}")
-
-
-def chosen_functions(tools: Sequence[Mapping], choice: Any = "required") -> Optional[List[tuple]]:
-    """(name, parameters schema) of each tool `choice` allows; None when the choice constrains nothing.
-
-    choice: "required" (or Anthropic's "any" / {"type": "any"}) allows every tool; a named choice
-    (see _chosen_name) only that tool; "auto", "none" and None give None.
-    """
-    if choice is None or choice in ("auto", "none") or (isinstance(choice, Mapping) and choice.get("type") in ("auto", "none")):
-        return None
-    functions = [_tool_function(t) for t in tools or ()]
-    if not functions:
-        raise DynoError("invalid tool_choice: it requires a tool call but no tools were given")
-    if not (choice in ("required", "any") or (isinstance(choice, Mapping) and choice.get("type") == "any")):
-        name = _chosen_name(choice)
-        functions = [f for f in functions if f["name"] == name]
-        if not functions:
-            raise DynoError(f"invalid tool_choice: no tool named {name!r} in tools")
-    chosen = []
-    for f in functions:
-        parameters = f.get("parameters", f.get("input_schema"))
-        if parameters is None:
-            parameters = {"type": "object", "properties": {}}
-        if not isinstance(parameters, Mapping):
-            raise DynoError(f"invalid tools: the parameters of {f['name']!r} must be a JSON schema object")
-        chosen.append((f["name"], dict(parameters)))
-    return chosen
-
-
-def tool_call_schema(tools: Sequence[Mapping], choice: Any = "required") -> Optional[dict]:
-    """JSON schema of one call {"name": ..., "arguments": {...}} of a tool `choice` allows, with the
-    arguments valid against that tool's parameters; None when the choice constrains nothing
-    (choice as chosen_functions reads it)."""
-    chosen = chosen_functions(tools, choice)
-    if chosen is None:
-        return None
+def tool_call_schema(tools: Sequence[ToolSchema]) -> dict:
+    """JSON schema of one call {"name": ..., "arguments": {...}} of one of `tools`, with the arguments
+    valid against that tool's parameters."""
+    if not tools:
+        raise DynoError(NO_TOOLS)
     calls = [{
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
+        "properties": {"name": {"const": t.name}, "arguments": dict(t.parameters)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
-    } for name, parameters in chosen]
+    } for t in tools]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def tool_call_constraint(tools: Sequence[Mapping], choice: Any, lm, open: str = TOOL_CALL_OPEN,
-                         close: str = TOOL_CALL_CLOSE, parallel: bool = True,
-                         form: str = "json") -> Optional[Constraint]:
-    """Output that is `open` + a call + `close`, repeated when `parallel` (calls separated by a
-    newline, as Qwen's templates write them); None when the choice constrains nothing.
-
-    form "json": the call is Qwen's JSON object (tool_call_schema). form "xml": the
-    `<function=NAME>` / `<parameter=KEY>` form of Qwen3.5 and Qwen3-Coder templates (xml_call_lark).
-    The markers' special tokens (Qwen's <tool_call>) are matched as those tokens, not spelled out.
-    """
-    if form not in ("json", "xml"):
-        raise DynoError(f"invalid tool-call form {form!r}: json or xml")
-    chosen = chosen_functions(tools, choice)
-    if chosen is None:
-        return None
+def _tool_calls(spec: ToolCalls, lm) -> Constraint:
+    """The grammar of ToolCalls. The markers' special tokens (Qwen's <tool_call>) are matched as
+    those tokens, not spelled out."""
+    if spec.form not in FORMS:
+        raise DynoError(f"invalid tool-call form {spec.form!r}: json or xml")
+    if not spec.tools:
+        raise DynoError(NO_TOOLS)
     vocab = vocabulary(lm)
-    if form == "json":
-        schema = tool_call_schema(tools, choice)
+    if spec.form == "json":
+        schema = tool_call_schema(spec.tools)
         _schema_grammar(schema, "tool schema")  # a non-serialisable schema fails with its own message
         schema = {"x-guidance": TOOL_JSON_OPTIONS, **schema}  # inside Lark, %json takes options from the schema
         body, rules = f"%json {json.dumps(schema)}", ""
     else:
-        body, rules = xml_call_lark(chosen)
-    call = f"{_lark_text(open, vocab)} {body} {_lark_text(close, vocab)}"
-    start = 'call ("\\n" call)*' if parallel else "call"
+        body, rules = xml_call_lark(spec.tools)
+    call = f"{_lark_text(spec.open, vocab)} {body} {_lark_text(spec.close, vocab)}"
+    start = 'call ("\\n" call)*' if spec.parallel else "call"
     grammar = llguidance.LLMatcher.grammar_from_lark(f"start: {start}\ncall: {call}\n{rules}")
     return _compile(grammar, lm, "tool_call", "tool schema")
 
 
-def xml_call_lark(chosen: Sequence[tuple]) -> tuple:
+def xml_call_lark(tools: Sequence[ToolSchema]) -> tuple:
     """(Lark body, its rules) of one call in the XML form, as Qwen3.5's template writes it:
     `<function=NAME>\\n`, then `<parameter=KEY>\\nVALUE\\n</parameter>\\n` per argument, then `</function>`.
 
@@ -255,7 +205,8 @@ def xml_call_lark(chosen: Sequence[tuple]) -> tuple:
     in Python's spelling, which the template's `| string` writes.
     """
     alternatives, rules = [], []
-    for i, (name, parameters) in enumerate(chosen):
+    for i, tool in enumerate(tools):
+        name, parameters = tool.name, tool.parameters
         _schema_grammar(parameters, "tool schema")
         properties = parameters.get("properties") or {}
         required = parameters.get("required")
@@ -295,10 +246,10 @@ def _xml_value(prop: Mapping, rule: str, rules: List[str]) -> str:
 
 def combine(constraints: Sequence[Constraint], lm, reasoning_end: Optional[str] = None,
             optional: bool = False) -> Constraint:
-    """Output that one of `constraints` accepts (a tool call or the response format, say), after
-    the model's reasoning when `reasoning_end` is given. `optional`: free text (no special tokens)
-    first, and the constrained part only if the model starts it (tool_choice auto with strict tools:
-    the model may answer in text, and a call it makes follows its schema).
+    """Output that one of `constraints` accepts (tool calls or a JSON schema, say), after the
+    model's reasoning when `reasoning_end` is given. `optional`: free text (no special tokens)
+    first, and the constrained part only if the model starts it (calls the model may make, which
+    then follow their schemas).
 
     For a prompt that opened a reasoning block (a <think> the template wrote): free text without
     special tokens, `reasoning_end`, at most two newlines, then the constrained answer. The text is

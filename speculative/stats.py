@@ -11,9 +11,17 @@ from typing import List, Optional
 from .events import Done, Provenance, Round, Token
 
 
+def _grown(counts: List[int], length: int) -> None:
+    counts.extend([0] * (length - len(counts)))
+
+
 @dataclass
 class GenerationStats:
-    """Running totals of one generation; `add` each event as it arrives."""
+    """Running totals of one generation; `add` each event as it arrives.
+
+    The two derived figures every report shows are defined here and nowhere else:
+    `tokens_per_round` and `acceptance_by_position()`.
+    """
 
     draft_depth: Optional[int] = None
     tokens: List[int] = field(default_factory=list)
@@ -21,9 +29,19 @@ class GenerationStats:
     rounds: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    accepted_per_position: List[int] = field(default_factory=list)
+    accepted_per_position: List[int] = field(default_factory=list)  # index i: draft position i + 1
+    drafted_per_position: List[int] = field(default_factory=list)  # rounds that drafted position i + 1
     done: Optional[Done] = None
     _position: int = 0  # drafts delivered so far in the current round
+
+    @classmethod
+    def from_counts(cls, rounds: int, accepted_per_position: List[int],
+                    drafted_per_position: List[int]) -> "GenerationStats":
+        """Stats of counts alone (no tokens), e.g. read back from a JSON record, to merge or derive from."""
+        return cls(rounds=rounds, draft_tokens=sum(drafted_per_position),
+                   accepted_tokens=sum(accepted_per_position),
+                   accepted_per_position=list(accepted_per_position),
+                   drafted_per_position=list(drafted_per_position))
 
     def add(self, event) -> None:
         if isinstance(event, Token):
@@ -36,15 +54,18 @@ class GenerationStats:
             self.rounds += 1
             self.draft_tokens += event.drafted
             self._position = 0
-            self._grow(event.drafted)
+            self._count_drafted(event.drafted)
         elif isinstance(event, Done):
             self.done = event
 
-    def _grow(self, depth: int) -> None:
-        self.accepted_per_position.extend([0] * (depth - len(self.accepted_per_position)))
+    def _count_drafted(self, depth: int, n: int = 1) -> None:
+        _grown(self.drafted_per_position, depth)
+        _grown(self.accepted_per_position, depth)
+        for i in range(depth):
+            self.drafted_per_position[i] += n
 
     def _count_accepted(self, index: int, n: int = 1) -> None:
-        self._grow(index + 1)
+        _grown(self.accepted_per_position, index + 1)
         self.accepted_per_position[index] += n
         self.accepted_tokens += n
 
@@ -52,6 +73,10 @@ class GenerationStats:
         """Add another generation's round and acceptance counts (not its tokens) to these."""
         self.rounds += other.rounds
         self.draft_tokens += other.draft_tokens
+        _grown(self.drafted_per_position, len(other.drafted_per_position))
+        _grown(self.accepted_per_position, len(other.drafted_per_position))
+        for i, n in enumerate(other.drafted_per_position):
+            self.drafted_per_position[i] += n
         for i, n in enumerate(other.accepted_per_position):
             self._count_accepted(i, n)
 
@@ -59,11 +84,35 @@ class GenerationStats:
     def speculative(self) -> bool:
         return self.rounds > 0
 
+    @property
+    def accepted_in_round(self) -> int:
+        """Drafts the current (last) round has delivered so far."""
+        return self._position
+
+    @property
+    def tokens_per_round(self) -> Optional[float]:
+        """Tokens per round: 1 + accepted drafts / rounds (None before the first round).
+
+        vLLM's mean acceptance length: what one verify pass delivers on average, its accepted
+        drafts plus the correction or bonus token. The prefill's first token belongs to no round
+        and is left out, and a round cut short is not charged for the correction or bonus token a
+        stop kept it from sending, so the figure is independent of the prefill and (but for the
+        drafts a cut round did not deliver) of where the generation was cut.
+        """
+        return 1 + self.accepted_tokens / self.rounds if self.rounds else None
+
+    def acceptance_by_position(self) -> List[float]:
+        """Per draft position (index i: position i + 1): drafts accepted there / rounds that drafted it.
+
+        Counting the rounds that drafted each position keeps the share right when rounds differ in depth.
+        """
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
     def summary_line(self) -> str:
         """The one-line report, e.g. `MTP: 512 tokens in 147 rounds (3.48 per round), 365/437 drafts accepted`."""
         n = len(self.tokens)
         if self.speculative:
-            return (f"MTP: {n} tokens in {self.rounds} rounds ({n / self.rounds:.2f} per round), "
+            return (f"MTP: {n} tokens in {self.rounds} rounds ({self.tokens_per_round:.2f} per round), "
                     f"{self.accepted_tokens}/{self.draft_tokens} drafts accepted")
         rate = self.decode_tokens_per_s
         return f"Plain: {n} tokens, no drafting" + (f" ({rate:.1f} tok/s)" if rate else "")
@@ -76,6 +125,7 @@ class GenerationStats:
         return (len(self.tokens) - 1) / self.done.decode_s
 
     def speculative_json(self) -> dict:
+        """The `speculative` object of `dyno generate --json` (and, over all requests, of /stats)."""
         return {
             "mode": "mtp" if self.speculative else None,
             "draft_depth": self.draft_depth if self.speculative else None,
@@ -83,4 +133,7 @@ class GenerationStats:
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "accepted_per_position": self.accepted_per_position,
+            "drafted_per_position": self.drafted_per_position,
+            "tokens_per_round": self.tokens_per_round,
+            "acceptance_by_position": self.acceptance_by_position(),
         }

@@ -5,7 +5,7 @@ import tempfile
 
 # Before MLX's first op: float32 products of several rows run at TF32 precision by default on CUDA
 # and M5-class Metal while one row stays float32, so the verify pass would round unlike plain
-# decoding (README, Exactness on GPU backends). MLX's own tests pin it the same way.
+# decoding (docs/how-it-works.md, Exactness on GPU backends). MLX's own tests pin it the same way.
 os.environ["MLX_ENABLE_TF32"] = "0"
 
 import pytest

@@ -122,8 +122,20 @@ def test_runtime_imports_no_web_framework_and_nothing_above_it():
 
 @pytest.mark.parametrize("api", ["dyno_ui.server.openai", "dyno_ui.server.anthropic"])
 def test_an_api_imports_only_the_runtime_and_the_servers_shared_helpers(api):
+    """Not the engine either: an API hands the runtime one ChatRequest (runtime/request.py)."""
     allowed = ("dyno_ui.runtime", "dyno_ui.server.errors", "dyno_ui.server.streaming", api)
-    assert violations(api, lambda n: under(n, "dyno_ui") and not under(n, *allowed)) == []
+    assert violations(api, lambda n: under(n, "dyno_ui", "speculative") and not under(n, *allowed)) == []
+
+
+# Request fields of the OpenAI and Anthropic APIs: the APIs translate them, the engine reads its own specs.
+WIRE_NAMES = ("response_format", "input_schema", "tool_choice", "output_config", "OpenAI", "Anthropic")
+
+
+def test_the_grammar_engine_knows_no_api_shapes():
+    source = (ROOT / "speculative/constraints.py").read_text()
+    assert [w for w in WIRE_NAMES if w in source] == []
+    strings = {n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert strings & {"function", "tool", "any", "auto", "none"} == set()  # tool shapes and tool_choice forms
 
 
 def test_the_server_never_imports_the_cli():

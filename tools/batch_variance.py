@@ -4,7 +4,7 @@
 
 The verify pass scores k+1 positions in one call where plain decoding scores one per call, so
 greedy output equals plain decoding bit for bit only where the backend's kernels give a row the
-same value either way (README, Exactness on GPU backends). Prints the largest difference of
+same value either way (docs/how-it-works.md, Exactness on GPU backends). Prints the largest difference of
 matrix products (float32 and bf16, 2 and 4 rows) and of the model's logits for two tokens in one
 call against one call each. 0.0 everywhere: row-invariant here.
 """

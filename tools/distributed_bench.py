@@ -33,7 +33,8 @@ from speculative import distributed  # noqa: E402
 from speculative.config import SamplingParams  # noqa: E402
 from speculative.measure.cost_model import cost_model  # noqa: E402
 from speculative.engine import Speculator  # noqa: E402
-from speculative.events import Round, Token  # noqa: E402
+from speculative.events import Token  # noqa: E402
+from speculative.stats import GenerationStats  # noqa: E402
 
 PROMPT = ('import os\nimport sys\n\n\ndef list_files(root, suffix=".py"):\n'
           '    """Return the paths under root that end with suffix, sorted."""\n')
@@ -76,19 +77,17 @@ def plain_run(model, prompt, n):
 
 
 def dyno_run(cls, lm, prompt, n, depth):
-    """Greedy Dyno on every rank in lockstep: (tokens, decode tok/s, rounds)."""
-    tokens, times, rounds = [], [], 0
+    """Greedy Dyno on every rank in lockstep: (tokens, decode tok/s, its GenerationStats)."""
+    stats, times = GenerationStats(), []
     steps = cls(lm, SamplingParams(max_tokens=n), depth, 2048).run(prompt)
     for e in steps:
-        if isinstance(e, Round):
-            rounds += 1
-        elif isinstance(e, Token):
+        stats.add(e)
+        if isinstance(e, Token):
             times.append(time.perf_counter())
-            tokens.append(e.id)
-            if len(tokens) == n:
+            if len(stats.tokens) == n:
                 break
     steps.close()
-    return tokens, _tps(times), rounds
+    return stats.tokens, _tps(times), stats
 
 
 def collective_latency(group, n: int = 200) -> float:
@@ -152,17 +151,16 @@ def main() -> int:
     plain_run(plain_model, prompt, n)  # warm-up
     for cls, k in settings.values():
         dyno_run(cls, lm, prompt, n, k)
-    base, runs = [], {name: {"tps": [], "ratio": [], "rounds": 0, "tokens": 0, "identical": True} for name in settings}
+    base, runs = [], {name: {"tps": [], "ratio": [], "stats": GenerationStats(), "identical": True} for name in settings}
     for _ in range(args.pairs):
         ref, tps = plain_run(plain_model, prompt, n)
         base.append(tps)
         for name, (cls, k) in settings.items():
-            tokens, d_tps, rounds = dyno_run(cls, lm, prompt, n, k)
+            tokens, d_tps, stats = dyno_run(cls, lm, prompt, n, k)
             r = runs[name]
             r["tps"].append(d_tps)
             r["ratio"].append(d_tps / tps)
-            r["rounds"] += rounds
-            r["tokens"] += len(tokens)
+            r["stats"].merge(stats)
             r["identical"] &= tokens == ref
 
     costs = cost_model(lm, prompt, args.depths, reps=args.reps)
@@ -176,7 +174,9 @@ def main() -> int:
         "load_average": os.getloadavg(), "cpus": os.cpu_count(),
         "plain_tps": summarize(base),
         "settings": {name: {"decode_tps": summarize(r["tps"]), "ratio": summarize(r["ratio"]),
-                            "tokens_per_round": r["tokens"] / max(r["rounds"], 1), "identical": r["identical"]}
+                            "tokens_per_round": r["stats"].tokens_per_round,
+                            "acceptance_by_position": r["stats"].acceptance_by_position(),
+                            "identical": r["identical"]}
                      for name, r in runs.items()},
         "cost_model": {"T1_ms": costs["T1"] * 1e3, "Td_ms": costs["Td"] * 1e3,
                        "Tv_ms": {str(k): v * 1e3 for k, v in costs["Tv"].items()}},

@@ -219,7 +219,7 @@ def projection_27b(td_ms: float = 1.5, e: float = 3.5, k: int = 3, tv_over_t1: f
         step[bits] = full, sub = head + lm_head["full"], head + list(lm_head.values())[1]
         print(f"| {bits if bits != 16 else 'bf16'}{'-bit' if bits != 16 else ''} | {head / 1e9:.3f} GB | "
               f"{full / 1e9:.3f} GB | {sub / 1e9:.3f} GB | {(sub / full - 1) * 100:+.0f}% |")
-    full, sub = step[8]  # the head Dyno keeps beside a quantized trunk on Metal (README, Head memory)
+    full, sub = step[8]  # the head Dyno keeps beside a quantized trunk on Metal (docs/heads.md, Head memory)
     td = td_ms * sub / full
     bound = lambda t: e / (tv_over_t1 + k * t / t1_ms)  # noqa: E731
     print(f"8-bit head, Td {td_ms} ms with the whole lm_head, if it follows the bytes: {td:.2f} ms; "

@@ -54,7 +54,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative import engine  # noqa: E402
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
 from speculative.measure.cost_model import cost_model  # noqa: E402
-from speculative.events import Round, Token  # noqa: E402
+from speculative.stats import GenerationStats  # noqa: E402
 
 PHASES = ("verify", "acceptance", "head rows", "rollback", "drafts", "emit")
 
@@ -176,17 +176,17 @@ def profile_run(lm, prompt: Sequence[int], depth: int, params: SamplingParams, b
     """One generation through engine.generate: its tokens, rounds, and per-round timings (seconds).
 
     `phases`: per closed round after the first `skip`, phase -> (host, device); `walls`: those
-    rounds' step-entry-to-next-step-entry times; `accepted`: drafts kept per round.
+    rounds' step-entry-to-next-step-entry times; `stats`: the generation's GenerationStats.
     """
+    stats = GenerationStats()
     made: List[Profiled] = []
-    events = list(engine.generate(lm, prompt, params, SpecConfig("mtp", depth), runner=profiled(barriers, made)))
+    for e in engine.generate(lm, prompt, params, SpecConfig("mtp", depth), runner=profiled(barriers, made)):
+        stats.add(e)
     runner = made[0]
     starts = runner.round_starts
     walls = [b - a for a, b in zip(starts, starts[1:])][skip:]
     phases = [{p: (w - d, d) for p, (w, d) in r.items()} for r in runner.rounds][skip:]
-    return {"tokens": [e.id for e in events if isinstance(e, Token)],
-            "accepted": [e.accepted for e in events if isinstance(e, Round)],
-            "walls": walls, "phases": phases}
+    return {"tokens": stats.tokens, "stats": stats, "walls": walls, "phases": phases}
 
 
 def profile_depth(lm, prompts: List[List[int]], depth: int, params: SamplingParams, pairs: int = 1,
@@ -204,7 +204,8 @@ def profile_depth(lm, prompts: List[List[int]], depth: int, params: SamplingPara
         for barriers in (False, True):
             profile_run(lm, prompt, depth, params if gpu else dataclasses.replace(params, max_tokens=24),
                         barriers)
-    plain_walls, phases, accepted, costs, calls, identical = [], [], [], [], [], True
+    plain_walls, phases, costs, calls, identical = [], [], [], [], True
+    stats = GenerationStats()  # the uninstrumented runs
     for _ in range(pairs):
         for prompt in prompts:
             c = cost_model(lm, prompt, [depth], reps=reps)
@@ -215,13 +216,13 @@ def profile_depth(lm, prompts: List[List[int]], depth: int, params: SamplingPara
             plain_walls += off["walls"]
             calls += [c["Tv"][depth] + depth * c["Td"]] * len(off["walls"])
             phases += on["phases"]
-            accepted += off["accepted"]
+            stats.merge(off["stats"])
     mean = {p: (statistics.fmean(r[p][0] for r in phases), statistics.fmean(r[p][1] for r in phases))
             for p in PHASES}
     round_ms = statistics.fmean(plain_walls) * 1e3
     model_calls_ms = statistics.fmean(calls) * 1e3
     return {"depth": depth, "rounds": len(phases), "plain_rounds": len(plain_walls),
-            "tokens_per_round": statistics.fmean(a + 1 for a in accepted),
+            "tokens_per_round": stats.tokens_per_round,
             "cost_model_ms": {name: statistics.median(c[name] if name != "Tv" else c["Tv"][depth]
                                                       for c in costs) * 1e3 for name in ("T1", "Tv", "Td")},
             "phases_ms": {p: {"host": h * 1e3, "device": d * 1e3} for p, (h, d) in mean.items()},

@@ -39,7 +39,9 @@ def speculative_simulation(model: TinyMTPModel, seqs: torch.Tensor, prompt_len: 
     For every row p the head drafts a chain d1..d_depth exactly as an engine would (row p fed t_{p+1} and
     h_p at position p, then its own argmax and post-norm hidden). A round that starts after committing
     t_n uses the chain of row p = n - 1; drafts are kept while they equal the greedy tokens t_{n+1}, ...
-    Returns acceptance per draft position and mean tokens per round for each depth 1..depth.
+    Returns, for each depth 1..depth, the engine's two figures (speculative.stats.GenerationStats):
+    tokens per round = 1 + accepted drafts / rounds, and acceptance by position = accepted there /
+    rounds that drafted it (here every round, as every simulated round drafts all k).
     """
     model.eval()
     logits, hidden = model.trunk(seqs[:, :-1])
@@ -51,7 +53,7 @@ def speculative_simulation(model: TinyMTPModel, seqs: torch.Tensor, prompt_len: 
     result = {"reference_mismatch": (greedy[:, prompt_len + 1 :] != seqs[:, prompt_len + 1 :]).float().mean().item()}
     total = seqs.shape[1]
     for k in range(1, depth + 1):
-        accepted, rounds, produced = [0] * k, 0, 0
+        accepted, rounds = [0] * k, 0
         for b in range(seqs.shape[0]):
             n = prompt_len  # t_n is the first token sampled from the prefill
             while n + k < total:
@@ -61,11 +63,10 @@ def speculative_simulation(model: TinyMTPModel, seqs: torch.Tensor, prompt_len: 
                 for i in range(a):
                     accepted[i] += 1
                 rounds += 1
-                produced += a + 1
                 n += a + 1
         reached = [rounds] + accepted[:-1]  # position i is judged only if positions < i were all kept
         result[f"depth{k}"] = {
-            "tokens_per_round": produced / max(rounds, 1),
+            "tokens_per_round": 1 + sum(accepted) / max(rounds, 1),
             "acceptance_by_position": [a / max(rounds, 1) for a in accepted],
             "conditional_acceptance_by_position": [a / max(r, 1) for a, r in zip(accepted, reached)],
             "rounds": rounds,

@@ -10,6 +10,7 @@ from pathlib import Path
 from speculative.errors import DynoError
 
 from speculative.measure.suites import SUITES, encode
+from speculative.stats import GenerationStats
 
 from ..options import ModelOptions
 from ..paths import default_model
@@ -22,7 +23,8 @@ def add_commands(sub) -> None:
     b.add_argument("--model", help="model folder (default: the bundled dyno-tiny)")
     b.add_argument("--suite", default="code", choices=[*SUITES, "all"])
     b.add_argument("--mtp-head-bits", metavar="{16,8,4}",
-                   help="precision the MTP head is kept at (default: follow the trunk; README, Head memory)")
+                   help="precision the MTP head is kept at "
+                        "(default: follow the trunk; docs/heads.md, Head memory)")
     b.add_argument("--depths", default="1,2,3,4", help="comma-separated draft depths; `auto` adds the depth --draft-depth auto picks (default: %(default)s)")
     b.add_argument("--temp", type=float, nargs="+", default=[0.0], metavar="T", help="temperatures (default: 0)")
     b.add_argument("--top-p", type=float, default=0.95, help="top-p when T > 0 (default: %(default)s)")
@@ -171,26 +173,24 @@ def _aggregate(record):
     out = []
     for (suite, temp, name), ss in rows.items():
         med = lambda f: statistics.median([f(s) for s in ss if f(s) is not None]) if any(f(s) is not None for s in ss) else None
+        pooled = _pooled(ss)
         out.append({"suite": suite, "temperature": temp, "setting": name,
                     "ratio": med(lambda s: s["ratio"]["median"]),
                     "ratio_min": min(s["ratio"]["min"] for s in ss), "ratio_max": max(s["ratio"]["max"] for s in ss),
-                    "tps": med(lambda s: s["decode_tps"]["median"]), "tpr": med(lambda s: s["tokens_per_round"]),
+                    "tps": med(lambda s: s["decode_tps"]["median"]), "tpr": pooled.tokens_per_round,
                     "bound": med(lambda s: s.get("bound")), "efficiency": med(lambda s: s.get("efficiency")),
                     "identical": all(s["identical"] is not False for s in ss) if ss[0]["identical"] is not None else None,
-                    "acceptance": _pooled_acceptance(ss)})
+                    "acceptance": pooled.acceptance_by_position()})
     return out
 
 
-def _pooled_acceptance(ss) -> list:
-    """Acceptance by position over every prompt's rounds (rounds = drafted / depth): a prompt that
-    ended early weighs by its rounds, as in tokens per round."""
-    rounds = [s["drafted"] / s["depth"] if s["depth"] else 0 for s in ss]
-    total = sum(rounds)
-    if not total:
-        return []
-    width = max(len(s["acceptance_by_position"]) for s in ss)
-    return [sum(r * s["acceptance_by_position"][i] for r, s in zip(rounds, ss) if i < len(s["acceptance_by_position"]))
-            / total for i in range(width)]
+def _pooled(ss):
+    """Every prompt's rounds in one GenerationStats: tokens per round and acceptance by position over
+    all of them, so a prompt that ended early weighs by its rounds."""
+    total = GenerationStats()
+    for s in ss:
+        total.merge(GenerationStats.from_counts(s["rounds"], s["accepted_per_position"], s["drafted_per_position"]))
+    return total
 
 
 def _print_table(record) -> None:

@@ -9,7 +9,7 @@ from speculative.config import MAX_DRAFT_DEPTH, MODES
 from ..options import ModelOptions
 
 HEAD_BITS_HELP = ("precision the MTP head is kept at in memory: 16 (as stored), 8 or 4 (its linear layers "
-                  "quantized at load, group 64); default: follow the trunk (README, Head memory)")
+                  "quantized at load, group 64); default: follow the trunk (docs/heads.md, Head memory)")
 
 
 def int_or(word: str, value_for_word, what: str):
@@ -29,7 +29,7 @@ def int_or(word: str, value_for_word, what: str):
 draft_depth = int_or("auto", "auto", "an integer")  # --draft-depth
 DRAFT_VOCAB_HELP = ("tokens the draft step scores: N (the model's N likeliest, special tokens always kept), auto "
                     "(N from the model's ranking; the whole vocabulary where a subset cannot pay; default) or full; "
-                    "output stays exact either way (README, Draft vocabulary)")
+                    "output stays exact either way (docs/heads.md, Draft vocabulary)")
 
 
 def draft_vocab(value: str):
@@ -59,7 +59,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the original repository to take the head from (default: from the model card)")
     p.add_argument("--distributed", choices=("pipeline", "tensor"),
                    help="split the model across the ranks `mlx.launch` started, by layers (pipeline) or "
-                        "within layers (tensor); drafting stays on (README, Across several Macs)")
+                        "within layers (tensor); drafting stays on (docs/distributed.md)")
 
 
 def model_options(args: argparse.Namespace) -> ModelOptions:

@@ -1,13 +1,17 @@
-"""One generation as the playground sees it: a fold of a traced job's outputs (pure, no MLX).
+"""One generation as the playground sees it: a traced job's outputs, pure (no MLX).
 
-The worker sends each engine event as `Traced` just before the text that event's token produced,
-so every piece of text is attributed to the provenance of the token that made it.
+The engine's events are folded by GenerationStats, the fold the CLI line, /stats and /metrics
+use; Trace adds only what the playground shows beside it: when each token and round arrived,
+and the text each token produced. The worker sends each engine event as `Traced` just before
+the text that event's token produced, so every piece of text is attributed to the provenance of
+the token that made it.
 """
 
 from dataclasses import dataclass, field, replace
 from typing import List, Optional
 
-from speculative.events import Done, Provenance, Round, Token
+from speculative.events import Done, Round, Token
+from speculative.stats import GenerationStats
 
 from ..runtime.outputs import Failed, Finished, TextDelta, Traced
 
@@ -41,14 +45,14 @@ class RoundPoint:
 
 @dataclass
 class Trace:
-    """Running state of one traced generation; `add` each job output as it arrives."""
+    """Running state of one traced generation: its GenerationStats plus timing and text; `add` each
+    job output as it arrives."""
 
     submitted_at: float
+    stats: GenerationStats = field(default_factory=GenerationStats)
     spans: List[Span] = field(default_factory=list)
-    token_ids: List[int] = field(default_factory=list)
     token_times: List[float] = field(default_factory=list)
     rounds: List[RoundPoint] = field(default_factory=list)
-    done: Optional[Done] = None
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     _kind: str = "plain"
@@ -66,18 +70,24 @@ class Trace:
             self.error = item.message
 
     def _event(self, event, at: float) -> None:
+        self.stats.add(event)
         if isinstance(event, Token):
             self._kind = event.provenance.value
-            self.token_ids.append(event.id)
             self.token_times.append(at)
-            if event.provenance is Provenance.DRAFT:  # count what was delivered (a round may be cut short)
-                self.rounds[-1] = replace(self.rounds[-1], accepted=self.rounds[-1].accepted + 1)
+            if self.rounds:  # what the stats counted as delivered in this round (it may be cut short)
+                self.rounds[-1] = replace(self.rounds[-1], accepted=self.stats.accepted_in_round)
         elif isinstance(event, Round):
             since = self._last_round_at or (self.token_times[-1] if self.token_times else at)
             self.rounds.append(RoundPoint(event.drafted, 0, at - since))
             self._last_round_at = at
-        elif isinstance(event, Done):
-            self.done = event
+
+    @property
+    def token_ids(self) -> List[int]:
+        return self.stats.tokens
+
+    @property
+    def done(self) -> Optional[Done]:
+        return self.stats.done
 
     @property
     def finished(self) -> bool:
@@ -88,11 +98,11 @@ class Trace:
 
     @property
     def drafted(self) -> int:
-        return sum(r.drafted for r in self.rounds)
+        return self.stats.draft_tokens
 
     @property
     def accepted(self) -> int:
-        return sum(r.accepted for r in self.rounds)
+        return self.stats.accepted_tokens
 
     @property
     def ttft_s(self) -> Optional[float]:
@@ -107,15 +117,14 @@ class Trace:
 
     @property
     def tokens_per_round(self) -> Optional[float]:
-        return (len(self.token_ids) - 1) / len(self.rounds) if self.rounds else None
+        """GenerationStats.tokens_per_round: 1 + accepted drafts / rounds."""
+        return self.stats.tokens_per_round
 
     @property
     def accepted_per_position(self) -> List[int]:
         """Delivered accepted drafts at each draft position (index i: position i + 1)."""
-        depth = max((r.drafted for r in self.rounds), default=0)
-        return [sum(1 for r in self.rounds if r.accepted > i) for i in range(depth)]
+        return self.stats.accepted_per_position
 
     def acceptance_by_position(self) -> List[float]:
-        """Share of rounds whose draft at position i (1-based, index i-1) was accepted."""
-        counts = [sum(1 for r in self.rounds if r.drafted > i) for i in range(len(self.accepted_per_position))]
-        return [a / c if c else 0.0 for a, c in zip(self.accepted_per_position, counts)]
+        """GenerationStats.acceptance_by_position: accepted at position i / rounds that drafted it."""
+        return self.stats.acceptance_by_position()

@@ -1,15 +1,16 @@
 """Server counters: Prometheus text for /metrics (prometheus_client) and the JSON of /stats.
 
 Both are updated once per request from the request's GenerationStats fold, so they move by
-exactly what that request drafted, accepted and generated. Metric names follow vLLM's with the
-`mlx:` prefix.
+exactly what that request drafted, accepted and generated; tokens per round and acceptance by
+position are GenerationStats' own figures over every request so far. Metric names follow vLLM's
+with the `mlx:` prefix.
 """
 
 import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from speculative.stats import GenerationStats
 
@@ -40,7 +41,19 @@ class ServerMetrics:
         self.accepted_per_position = Counter(
             "mlx:draft_tokens_accepted_per_position", "Accepted drafts by 1-based draft position",
             ["position"], registry=r)
+        self.drafted_per_position = Counter(
+            "mlx:draft_tokens_drafted_per_position", "Rounds that drafted each 1-based draft position",
+            ["position"], registry=r)
         self.rounds = Counter("mlx:spec_decode_rounds", "Draft/verify rounds", registry=r)
+        self.tokens_per_round = Gauge(
+            "mlx:spec_decode_tokens_per_round",
+            "Tokens per round over all requests: 1 + accepted drafts / rounds (vLLM's mean acceptance length)",
+            registry=r)
+        self.tokens_per_round.set(float("nan"))  # undefined until a round has run
+        self.acceptance_by_position = Gauge(
+            "mlx:draft_acceptance_by_position",
+            "Over all requests: drafts accepted at each 1-based position / rounds that drafted it",
+            ["position"], registry=r)
         self.prompt_tokens = Counter("mlx:prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("mlx:prompt_tokens_cached", "Prompt tokens reused from a cached prefix",
                                      registry=r)
@@ -62,6 +75,8 @@ class ServerMetrics:
             self.draft_depth = draft_depth
         for pos in range(1, (draft_depth or 0) + 1):
             self.accepted_per_position.labels(position=str(pos))  # exported as 0 before any request
+            self.drafted_per_position.labels(position=str(pos))
+            self.acceptance_by_position.labels(position=str(pos))
 
     def record(self, outcome: Outcome) -> None:
         """Count one request (called on the engine thread)."""
@@ -70,6 +85,8 @@ class ServerMetrics:
         self.accepted_tokens.inc(s.accepted_tokens)
         for pos, n in enumerate(s.accepted_per_position, start=1):
             self.accepted_per_position.labels(position=str(pos)).inc(n)
+        for pos, n in enumerate(s.drafted_per_position, start=1):
+            self.drafted_per_position.labels(position=str(pos)).inc(n)
         self.rounds.inc(s.rounds)
         self.prompt_tokens.inc(outcome.prompt_tokens)
         self.cached_tokens.inc(outcome.cached_tokens)
@@ -80,10 +97,17 @@ class ServerMetrics:
             self.ttft.observe(outcome.ttft_s)
         with self._lock:
             self._totals.merge(s)
+            self._set_derived(self._totals)
             self._requests[outcome.finish_reason] = self._requests.get(outcome.finish_reason, 0) + 1
             self._prompt += outcome.prompt_tokens
             self._cached += outcome.cached_tokens
             self._generated += len(s.tokens)
+
+    def _set_derived(self, totals: GenerationStats) -> None:
+        if totals.tokens_per_round is not None:
+            self.tokens_per_round.set(totals.tokens_per_round)
+        for pos, rate in enumerate(totals.acceptance_by_position(), start=1):
+            self.acceptance_by_position.labels(position=str(pos)).set(rate)
 
     def record_failure(self) -> None:
         """Count a request the engine could not complete."""
@@ -98,17 +122,13 @@ class ServerMetrics:
     def stats_json(self) -> dict:
         """The /stats document."""
         with self._lock:
-            t = self._totals
-            per = t.accepted_per_position + [0] * ((self.draft_depth or 0) - len(t.accepted_per_position))
+            spec = self._totals.speculative_json()
+            depth = self.draft_depth or 0
+            padded = {k: spec[k] + [0] * (depth - len(spec[k]))  # every position of the depth, from the start
+                      for k in ("accepted_per_position", "drafted_per_position", "acceptance_by_position")}
             return {
-                "speculative": {
-                    "mode": "mtp" if self.draft_depth else None,
-                    "draft_depth": self.draft_depth,
-                    "rounds": t.rounds,
-                    "draft_tokens": t.draft_tokens,
-                    "accepted_tokens": t.accepted_tokens,
-                    "accepted_per_position": per,
-                },
+                "speculative": {**spec, "mode": "mtp" if self.draft_depth else None,
+                                "draft_depth": self.draft_depth, **padded},
                 "requests": {"total": sum(self._requests.values()), **self._requests},
                 "tokens": {"prompt": self._prompt, "prompt_cached": self._cached,
                            "generated": self._generated},

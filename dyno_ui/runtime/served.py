@@ -1,9 +1,10 @@
-"""The model a server serves, and what every API does with a request before it becomes a job:
-pick the model, apply the chat template, check the prompt against the context."""
+"""The model a server serves, and the steps every request takes to become a job: pick the model,
+apply the chat template, check the prompt against the context, sample (runtime/chat.py puts a chat
+request through them)."""
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from speculative.config import SamplingParams
 from speculative.errors import DynoError, one_line
@@ -11,6 +12,7 @@ from speculative.loader import LoadedModel
 
 from .errors import ApiError
 from .parsers import ToolCallStream
+from .request import Sampling
 from .textstream import TextAssembler, initial_channel
 from .worker import EngineWorker, Job
 
@@ -96,9 +98,41 @@ def chat_prompt(lm: LoadedModel, messages: List[dict], template_kwargs: Optional
     return list(lm.tokenizer.encode(text + prefill, add_special_tokens=False))
 
 
-def checked_sampling(lm: LoadedModel, prompt: Sequence[int], field: str,
-                     sampling: Callable[[int], SamplingParams]) -> SamplingParams:
-    """`sampling(room)` for a prompt that fits: not empty, shorter than the context (room is what is left)."""
+def sampling_params(sampling: Sampling, generation_config: Mapping, default_max_tokens: int, room: int,
+                    vocab: int, constraint=None) -> SamplingParams:
+    """SamplingParams: the request's values over generation_config over greedy; max_tokens (the
+    server's default when not given) capped by `room`; `constraint` the grammar the answer follows."""
+    wanted = sampling.max_tokens or default_max_tokens
+    context = sampling.penalty_context
+    return SamplingParams.from_generation_config(
+        generation_config, temperature=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p,
+        top_k=sampling.top_k, max_tokens=min(wanted, room), seed=sampling.seed,
+        logit_bias=_token_biases(sampling.logit_bias, vocab), repetition_penalty=sampling.repetition_penalty,
+        repetition_context_size=context, presence_penalty=sampling.presence_penalty, presence_context_size=context,
+        frequency_penalty=sampling.frequency_penalty, frequency_context_size=context,
+        constraint=constraint, logprobs=sampling.logprobs,
+    )
+
+
+def _token_biases(logit_bias: Optional[Mapping[str, float]], vocab: int) -> Optional[Dict[int, float]]:
+    """{"token id": bias} with ids checked against the vocabulary and biases in [-100, 100]."""
+    if not logit_bias:
+        return None
+    out = {}
+    for key, bias in logit_bias.items():
+        if not (key.strip().isascii() and key.strip().isdigit()) or int(key) >= vocab:  # "²".isdigit()
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model (0..{vocab - 1})",
+                           param="logit_bias")
+        if not -100 <= bias <= 100:
+            raise ApiError(400, f"logit_bias: bias for token {key} must be in [-100, 100], got {bias}",
+                           param="logit_bias")
+        out[int(key)] = float(bias)
+    return out
+
+
+def checked_sampling(lm: LoadedModel, prompt: Sequence[int], field: str, sampling: Sampling,
+                     default_max_tokens: int, constraint=None) -> SamplingParams:
+    """SamplingParams (sampling_params) for a prompt that fits: not empty, shorter than the context."""
     n, limit = len(prompt), lm.context_length
     if n == 0:
         raise ApiError(400, f"{field}: the prompt is empty", param=field)
@@ -106,7 +140,8 @@ def checked_sampling(lm: LoadedModel, prompt: Sequence[int], field: str,
         raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the "
                             f"prompt has {n} tokens", param=field, code="context_length_exceeded")
     try:
-        return sampling(limit - n)
+        return sampling_params(sampling, lm.generation_config, default_max_tokens, limit - n, lm.vocab_size,
+                               constraint)
     except DynoError as e:
         raise ApiError(400, e.message) from None
 

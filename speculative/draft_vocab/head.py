@@ -25,8 +25,9 @@ AUTO = "auto"  # N from the ranking's counted mass (auto_size)
 # auto: the fewest tokens carrying AUTO_MASS of the mass the model put on its own continuations. On
 # dyno-tiny 0.9 (1,792 tokens) kept position-1 acceptance within 0.4 points of the full vocabulary on
 # every text measured, 0.82 (1,024) within 0.9: too thin a margin for a ranking from ~4,300 positions
-# (README, Draft vocabulary). Unmeasured on larger models, hence a floor of AUTO_MIN_SHARE of the
-# vocabulary (vocabulary-pruned draft heads keep 32K-98K of Qwen's 248K tokens: prior-art.md).
+# (docs/performance.md, Draft vocabulary). Unmeasured on larger models, hence a floor of
+# AUTO_MIN_SHARE of the vocabulary (vocabulary-pruned draft heads keep 32K-98K of Qwen's 248K
+# tokens: prior-art.md).
 # Rounded up to AUTO_STEP: a ranking from a few thousand positions is noisy by tens of tokens.
 AUTO_MASS = 0.9
 AUTO_MIN_SHARE = 1 / 8

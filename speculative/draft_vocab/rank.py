@@ -1,5 +1,5 @@
 """The draft vocabulary's ranking: tokens ordered by the probability mass the model itself puts on
-them while it writes (README, Draft vocabulary).
+them while it writes (docs/heads.md, Draft vocabulary).
 
 Measured on the bundled dyno-tiny (`python tools/draft_vocab.py --rankings`): this ranking keeps the
 trunk's next token inside a subset of N tokens more often than the tokenizer's id (merge) order at

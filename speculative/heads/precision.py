@@ -21,15 +21,16 @@ from ..errors import DynoError
 
 HEAD_BITS = (16, 8, 4)  # 16: as stored (bf16, or the checkpoint's float dtype)
 GROUP_SIZE = 64
-# Default with a quantized trunk, per backend (README, "Head memory"). CPU: MLX 0.32.4's quantized
-# matmul is slower than bf16 there: the bundled model's draft step 3.1-3.4x, one row through the
-# 27B head's shapes ~9x (`python tools/head_precision.py [--linears-27b]`), so the CPU keeps the
-# stored precision. GPU (Metal, CUDA): 8-bit, from reported figures (a 27B head 0.85 -> 0.45 GB,
-# acceptance within a point of bf16), not measured here.
+# Default with a quantized trunk, per backend (docs/heads.md, "Head memory"; the speeds in
+# docs/performance.md, "Head precision"). CPU: MLX 0.32.4's quantized matmul is slower than bf16
+# there: the bundled model's draft step 3.1-3.4x, one row through the 27B head's shapes ~9x
+# (`python tools/head_precision.py [--linears-27b]`), so the CPU keeps the stored precision.
+# GPU (Metal, CUDA): 8-bit, from reported figures (a 27B head 0.85 -> 0.45 GB, acceptance within a
+# point of bf16), not measured here.
 QUANTIZED_TRUNK_DEFAULT = {"cpu": 16, "gpu": 8}
 # The text_config values a head's shapes depend on, shared by Qwen3.5-27B, Qwen3.6-27B and
 # Qwen3.8-27B (mtp-reference.md; intermediate_size 17408 from their config.json): the published
-# sizes that the README's byte table and its test are computed for.
+# sizes that the byte table in docs/heads.md and its test are computed for.
 QWEN_27B = dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                 num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
                 linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,

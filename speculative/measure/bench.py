@@ -73,10 +73,13 @@ class SettingResult:
     tps: List[float]
     ttft: List[float]
     identical: Optional[bool]  # greedy only: same tokens as plain mlx-lm in every pair
-    tokens_per_round: Optional[float] = None
+    tokens_per_round: Optional[float] = None  # GenerationStats' figures over every pair
     acceptance_by_position: List[float] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
+    rounds: int = 0  # the counts behind both figures, to pool records (GenerationStats.from_counts)
+    accepted_per_position: List[int] = field(default_factory=list)
+    drafted_per_position: List[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -103,7 +106,6 @@ def paired_benchmark(lm: LoadedModel, prompt: Sequence[int], params: SamplingPar
     for name, spec in settings:
         run_dyno(lm, prompt, params, spec)
     totals = {name: GenerationStats() for name, _ in settings}  # rounds and acceptance over all pairs
-    generated = dict.fromkeys(totals, 0)
     for _ in range(pairs):
         base = run_mlx_lm(lm, prompt, params)
         base_tps.append(base.decode_tps)
@@ -117,12 +119,10 @@ def paired_benchmark(lm: LoadedModel, prompt: Sequence[int], params: SamplingPar
             if params.greedy and run.tokens != base.tokens:
                 r.identical = False
             totals[name].merge(run.stats)
-            generated[name] += len(run.tokens)
     for name, r in results.items():
         t = totals[name]
-        r.drafted, r.accepted = t.draft_tokens, t.accepted_tokens
-        if t.rounds:
-            r.tokens_per_round = generated[name] / t.rounds
-            r.acceptance_by_position = [c / t.rounds for c in t.accepted_per_position]
+        r.drafted, r.accepted, r.rounds = t.draft_tokens, t.accepted_tokens, t.rounds
+        r.accepted_per_position, r.drafted_per_position = t.accepted_per_position, t.drafted_per_position
+        r.tokens_per_round, r.acceptance_by_position = t.tokens_per_round, t.acceptance_by_position()
     return {"plain": {"decode_tps": summarize(base_tps), "ttft": summarize(base_ttft)},
             "settings": {name: r.as_dict() for name, r in results.items()}}

@@ -65,7 +65,9 @@ def store(lm: LoadedModel, depth: int, details: dict, draft_vocab: Optional[int]
 
 
 def expected_tokens_per_round(acceptance: Sequence[float], k: int) -> float:
-    """E(k) = 1 + sum of the probabilities that positions 1..k are accepted."""
+    """GenerationStats.tokens_per_round projected from acceptance rates, not counted: at depth k
+    every round drafts positions 1..k, so 1 + accepted / rounds = 1 + the sum of acceptance_by_position
+    over positions 1..k (the rates `acceptance` gives)."""
     return 1.0 + sum(acceptance[:k])
 
 
@@ -106,8 +108,8 @@ def resolve_depth(lm: LoadedModel, requested, draft_vocab: Optional[int] = None)
 
 def measured_acceptance(lm: LoadedModel, prompt: Sequence[int], depth: int, tokens: int = 64,
                         draft_vocab: Optional[int] = None) -> Optional[list]:
-    """Share of rounds whose draft at each position was accepted, from one short greedy run at `depth`
-    (None when too few rounds to say): the head's own acceptance instead of the prior."""
+    """Acceptance by position (GenerationStats') of one short greedy run at `depth` (None when too few
+    rounds to say): the head's own acceptance instead of the prior."""
     from ..config import SamplingParams, SpecConfig
     from ..engine import generate
     from ..stats import GenerationStats
@@ -116,4 +118,4 @@ def measured_acceptance(lm: LoadedModel, prompt: Sequence[int], depth: int, toke
     spec = SpecConfig("mtp", depth, draft_vocab=draft_vocab)
     for event in generate(lm, list(prompt), SamplingParams(max_tokens=tokens), spec):
         stats.add(event)
-    return [c / stats.rounds for c in stats.accepted_per_position] if stats.rounds >= 8 else None
+    return stats.acceptance_by_position() if stats.rounds >= 8 else None

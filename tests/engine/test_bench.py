@@ -89,6 +89,8 @@ def test_table_pools_acceptance_over_prompts():
 
     def setting(rounds, acceptance):
         return {"depth": 2, "drafted": 2 * rounds, "acceptance_by_position": acceptance, "tokens_per_round": 2.0,
+                "rounds": rounds, "accepted_per_position": [round(a * rounds) for a in acceptance],
+                "drafted_per_position": [rounds, rounds],
                 "ratio": {"median": 1.0, "min": 1.0, "max": 1.0}, "decode_tps": {"median": 1.0}, "identical": True}
 
     record = {"results": [{"suite": "code", "temperature": 0.0, "settings": {"mtp@2": setting(10, [1.0, 0.5])}},

@@ -19,8 +19,7 @@ from scipy.stats import chi2
 from dyno_ui.paths import BUNDLED_MODEL
 from speculative.config import SamplingParams, SpecConfig
 from speculative.constraints import (
-    GrammarProcessor, _common_prefix, combine, constraint_from_response_format, json_object_constraint,
-    json_schema_constraint, tool_call_constraint, tool_call_schema,
+    GrammarProcessor, JsonSchema, ToolCalls, ToolSchema, _common_prefix, combine, constraint_for, tool_call_schema,
 )
 from speculative.engine import Speculator, generate
 from speculative.errors import DynoError
@@ -39,13 +38,13 @@ PERSON = {  # bounded strings and arrays: a random model finishes it in ~200 tok
     "required": ["name", "age", "ok", "tags"],
     "additionalProperties": False,
 }
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "add", "parameters": {
+TOOLS = (
+    ToolSchema("get_weather", {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}),
+    ToolSchema("add", {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"], "additionalProperties": False}}},
-]
+        "required": ["a", "b"], "additionalProperties": False}),
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +95,7 @@ def test_greedy_drafting_equals_plain_with_a_schema(bundled, tiny_lm, model):
     prompt = lm.tokenizer.encode("def person(x):\n    return " if model == "bundled" else "x = ")
     # The bundled Python model indents all it can (20 spaces a gap by default): one space keeps it short.
     schema = {**PERSON, "x-guidance": {"whitespace_pattern": "[ ]?"}} if model == "bundled" else PERSON
-    constraint = json_schema_constraint(schema, lm)
+    constraint = constraint_for(JsonSchema(schema), lm)
     params = SamplingParams(max_tokens=320, constraint=constraint)
     plain, _, done = run(lm, prompt, params, "off")
     if model == "tied-gqa2":  # the bundled model's masks are checked in test_processor_follows_any_prefix_order
@@ -122,7 +121,7 @@ def test_json_object_and_a_reduced_draft_vocabulary(tiny_lm):
     """Draft rows from half the vocabulary often hold no allowed token; output stays exact."""
     lm = tiny_lm("tied-gqa2")
     prompt = lm.tokenizer.encode("x = ")
-    constraint = constraint_from_response_format({"type": "json_object"}, lm)
+    constraint = constraint_for(JsonSchema(), lm)
     params = SamplingParams(max_tokens=60, constraint=constraint)
     plain, _, _ = run(lm, prompt, params, "off")
     assert plain == plain_reference(lm, prompt, constraint, 60)
@@ -134,7 +133,7 @@ def test_tool_call_with_drafting(bundled):
     """A required tool call: the markers, then a call of an offered tool whose arguments fit its schema."""
     lm = bundled
     prompt = lm.tokenizer.encode("def main():\n    ")
-    constraint = tool_call_constraint(TOOLS, "required", lm, parallel=False)
+    constraint = constraint_for(ToolCalls(TOOLS, parallel=False), lm)
     params = SamplingParams(max_tokens=320, constraint=constraint)
     plain, _, done = run(lm, prompt, params, "off")
     tokens, rounds, _ = run(lm, prompt, params, "mtp", 3)
@@ -143,15 +142,14 @@ def test_tool_call_with_drafting(bundled):
     text = lm.tokenizer.decode([t for t in tokens if t not in lm.eos_token_ids])
     assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
     call = json.loads(text[len("<tool_call>\n"): -len("\n</tool_call>")])
-    tool = {t["function"]["name"]: t["function"] for t in TOOLS}[call["name"]]
-    jsonschema.validate(call["arguments"], tool["parameters"])
+    jsonschema.validate(call["arguments"], {t.name: t.parameters for t in TOOLS}[call["name"]])
 
 
 def test_batched_path_applies_the_constraint(tiny_lm):
     """mlx-lm's BatchGenerator (`--decode-concurrency`) with processors_for: each row its own grammar."""
     lm = tiny_lm("tied-gqa2")
     prompt = lm.tokenizer.encode("x = ")
-    constrained = SamplingParams(max_tokens=40, constraint=json_schema_constraint(PERSON, lm))
+    constrained = SamplingParams(max_tokens=40, constraint=constraint_for(JsonSchema(PERSON), lm))
     expected = {0: run(lm, prompt, constrained, "off")[0], 1: run(lm, prompt, SamplingParams(max_tokens=40), "off")[0]}
     batch = BatchGenerator(lm.model, stop_tokens=[[t] for t in lm.eos_token_ids], completion_batch_size=2,
                            prefill_batch_size=2)
@@ -210,7 +208,7 @@ def pearson(counts, joint, n):
 def test_sampled_distribution_with_drafting_is_plain_decoding(tiny_lm):
     lm = tiny_lm("tied-gqa2")
     prompt = lm.tokenizer.encode("x = ")
-    constraint = json_schema_constraint(PAIRS, lm)
+    constraint = constraint_for(JsonSchema(PAIRS), lm)
     base = SamplingParams(temperature=1.0, max_tokens=LENGTH, constraint=constraint)
     joint = {(): 1.0}  # P(t1 .. tn) under plain decoding with the grammar, enumerated over its support
     for _ in range(LENGTH):
@@ -235,7 +233,7 @@ def test_sampled_distribution_with_drafting_is_plain_decoding(tiny_lm):
 
 def test_processor_follows_any_prefix_order(bundled):
     lm = bundled
-    constraint = json_schema_constraint(PERSON, lm)
+    constraint = constraint_for(JsonSchema(PERSON), lm)
     text = '{"name": "ab", "age": 7, "ok": true, "tags": ["a", "c"]}'
     tokens = lm.tokenizer.encode(text)
     logits = mx.random.normal((1, lm.vocab_size), key=mx.random.key(0))
@@ -264,7 +262,7 @@ def test_common_prefix():
     assert all(_common_prefix(list(range(50)), list(range(n)) + [-1]) == n for n in range(50))
 
 
-# ---- compiling: schemas, response_format, tool choice; errors are one DynoError line ----
+# ---- compiling: schemas and tool calls; errors are one DynoError line ----
 
 @pytest.mark.parametrize("schema, message", [
     ({"type": "objekt"}, "invalid JSON schema: Invalid type: objekt"),
@@ -273,57 +271,31 @@ def test_common_prefix():
 ])
 def test_invalid_schema_is_one_dyno_error_line(bundled, schema, message):
     with pytest.raises(DynoError) as e:
-        json_schema_constraint(schema, bundled)
+        constraint_for(JsonSchema(schema), bundled)
     assert e.value.message.startswith(message) and "\n" not in e.value.message
-
-
-@pytest.mark.parametrize("response_format, message", [
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}, "invalid JSON schema: "),
-    ({"type": "xml"}, "invalid response_format: type must be text, json_object or json_schema, got 'xml'"),
-    ({"type": "json_schema"}, "invalid response_format: json_schema must be an object with a schema"),
-    ([1], "invalid response_format: must be an object"),
-])
-def test_invalid_response_format(bundled, response_format, message):
-    with pytest.raises(DynoError) as e:
-        constraint_from_response_format(response_format, bundled)
-    assert e.value.message.startswith(message) and "\n" not in e.value.message
-
-
-def test_response_formats(bundled):
-    assert constraint_from_response_format(None, bundled) is None
-    assert constraint_from_response_format({"type": "text"}, bundled) is None
-    assert constraint_from_response_format({"type": "json_object"}, bundled).kind == "json_object"
-    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
-    assert constraint_from_response_format(schema, bundled) == json_schema_constraint(PERSON, bundled)
-    assert constraint_from_response_format({"type": "json_schema", "json_schema": {"name": "p"}},
-                                           bundled).kind == "json_object"
 
 
 def test_tool_call_schema():
-    one = tool_call_schema(TOOLS, {"type": "function", "function": {"name": "add"}})
+    """Which tools a tool choice allows is the runtime's (tests/server/test_chat_request.py)."""
+    one = tool_call_schema(TOOLS[1:])
     assert one["properties"]["name"] == {"const": "add"}
-    assert one["properties"]["arguments"] == TOOLS[1]["function"]["parameters"]
-    both = tool_call_schema(TOOLS, "required")
+    assert one["properties"]["arguments"] == TOOLS[1].parameters
+    both = tool_call_schema(TOOLS)
     assert [s["properties"]["name"]["const"] for s in both["anyOf"]] == ["get_weather", "add"]
     jsonschema.validate({"name": "add", "arguments": {"a": 1, "b": 2}}, both)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "add", "arguments": {"city": "x"}}, both)
-    assert tool_call_schema(TOOLS, "auto") is None and tool_call_schema(TOOLS, "none") is None
-    anthropic = [{"name": "add", "input_schema": TOOLS[1]["function"]["parameters"]}]
-    assert tool_call_schema(anthropic, {"type": "tool", "name": "add"}) == one
-    with pytest.raises(DynoError, match="no tool named 'mul' in tools"):
-        tool_call_schema(TOOLS, {"type": "function", "function": {"name": "mul"}})
     with pytest.raises(DynoError, match="no tools were given"):
-        tool_call_schema([], "required")
+        tool_call_schema([])
 
 
 def test_sampling_params_with_a_constraint(bundled):
-    constraint = json_schema_constraint(PERSON, bundled)
+    constraint = constraint_for(JsonSchema(PERSON), bundled)
     a = SamplingParams(constraint=constraint)
     assert a.has_processors and not a.has_penalties and not SamplingParams().has_processors
-    assert a == SamplingParams(constraint=json_schema_constraint(PERSON, bundled))
-    assert hash(a) == hash(SamplingParams(constraint=json_schema_constraint(PERSON, bundled)))
-    assert a != SamplingParams(constraint=json_object_constraint(bundled))
+    assert a == SamplingParams(constraint=constraint_for(JsonSchema(PERSON), bundled))
+    assert hash(a) == hash(SamplingParams(constraint=constraint_for(JsonSchema(PERSON), bundled)))
+    assert a != SamplingParams(constraint=constraint_for(JsonSchema(), bundled))
     assert dataclasses.replace(a, seed=3).constraint is constraint
     assert dataclasses.asdict(a)["constraint"]["vocabulary"] is constraint.vocabulary  # copies nothing big
     assert isinstance(processors_for(a)[-1], GrammarProcessor)
@@ -346,10 +318,10 @@ def xml_call(name, **arguments):
 
 
 def test_xml_tool_call_form(bundled):
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    tools = (ToolSchema("f", {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 5}, "unit": {"type": "string", "enum": ["c", "f"]},
-        "n": {"type": "integer", "maximum": 9}, "ok": {"type": "boolean"}}, "required": ["city", "n"]}}}, TOOLS[1]]
-    constraint = tool_call_constraint(tools, "required", bundled, form="xml")
+        "n": {"type": "integer", "maximum": 9}, "ok": {"type": "boolean"}}, "required": ["city", "n"]}), TOOLS[1])
+    constraint = constraint_for(ToolCalls(tools, "xml"), bundled)
     assert accepts(constraint, bundled, xml_call("f", city="a <b", unit="f", n=3, ok="True"))
     assert accepts(constraint, bundled, xml_call("f", city="", n=-2) + "\n" + xml_call("add", a=1, b=2))
     for bad in (xml_call("f", city="Lisbon", n=3),  # longer than maxLength
@@ -359,17 +331,16 @@ def test_xml_tool_call_form(bundled):
                 xml_call("f", n=3, city="x"),  # not in the schema's order
                 xml_call("add", a=1), xml_call("mul", a=1)):
         assert not accepts(constraint, bundled, bad), bad
-    named = tool_call_constraint(tools, {"type": "function", "function": {"name": "add"}}, bundled, form="xml",
-                                 parallel=False)
+    named = constraint_for(ToolCalls((TOOLS[1],), "xml", parallel=False), bundled)  # one tool: a named choice
     assert accepts(named, bundled, xml_call("add", a=1, b=2))
     assert not accepts(named, bundled, xml_call("add", a=1, b=2) + "\n" + xml_call("add", a=1, b=2))
     with pytest.raises(DynoError, match="invalid tool-call form 'yaml'"):
-        tool_call_constraint(tools, "required", bundled, form="yaml")
+        constraint_for(ToolCalls(tools, "yaml"), bundled)
 
 
 def test_combined_grammars_after_reasoning(bundled):
-    call = tool_call_constraint(TOOLS, "required", bundled)
-    person = json_schema_constraint(PERSON, bundled)
+    call = constraint_for(ToolCalls(TOOLS), bundled)
+    person = constraint_for(JsonSchema(PERSON), bundled)
     answer = '{"name": "ab", "age": 7, "ok": true, "tags": []}'
     called = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     either = combine([call, person], bundled)
@@ -390,22 +361,21 @@ def test_combined_grammars_after_reasoning(bundled):
 
 def test_tool_call_json_is_written_as_the_template_writes_it(bundled):
     """", " and ": " and no other whitespace (the template's tojson): a sampled call cannot pad itself."""
-    call = tool_call_constraint(TOOLS, "required", bundled)
+    call = constraint_for(ToolCalls(TOOLS), bundled)
     good = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     assert accepts(call, bundled, good)
     for bad in (good.replace('": ', '":'), good.replace(', "', ',"'), good.replace('{"a"', '{ "a"'),
                 good.replace('{"a": 1, ', '{\n  "a": 1,\n  ')):
         assert not accepts(call, bundled, bad), bad
-    xml = tool_call_constraint([{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"o": {"type": "object"}}, "required": ["o"]}}}], "required", bundled,
-        form="xml")
+    xml = constraint_for(ToolCalls((ToolSchema("f", {
+        "type": "object", "properties": {"o": {"type": "object"}}, "required": ["o"]}),), "xml"), bundled)
     assert accepts(xml, bundled, xml_call("f", o='{"k": [1, 2]}'))
     assert not accepts(xml, bundled, xml_call("f", o='{"k": [1,  2]}'))
 
 
 def test_text_then_optional_calls(bundled):
     """tool_choice auto with strict tools: any text, and a call, if the model makes one, fits its schema."""
-    call = tool_call_constraint(TOOLS, "required", bundled)
+    call = constraint_for(ToolCalls(TOOLS), bundled)
     optional = combine([call], bundled, optional=True)
     good = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     assert optional.kind == "text+tool_call"

@@ -1,5 +1,6 @@
 """What every bit-for-bit test stands on: on this backend a row comes out the same computed alone or
-with others (README, Exactness on GPU backends; MLX's CUDA backend breaks it, measured on an H200)."""
+with others (docs/how-it-works.md, Exactness on GPU backends; MLX's CUDA backend breaks it, measured on
+an H200)."""
 
 import sys
 from pathlib import Path

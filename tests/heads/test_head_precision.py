@@ -40,7 +40,7 @@ def test_default_follows_the_trunk():
     q4 = {"group_size": 64, "bits": 4}
     assert default_head_bits(None, mx.cpu) == default_head_bits(None, mx.gpu) == 16
     assert default_head_bits(q4, mx.gpu) == 8  # Metal/CUDA: the figures
-    assert default_head_bits(q4, mx.cpu) == 16  # CPU: its quantized matmul is slower (README)
+    assert default_head_bits(q4, mx.cpu) == 16  # CPU: its quantized matmul is slower (docs/performance.md)
 
 
 def lazy_head_bytes(text_config: dict, bits: int, dtype=mx.bfloat16) -> int:
@@ -59,7 +59,7 @@ def test_bytes_arithmetic_matches_a_head_built_with_those_shapes(name, config):
     for bits in HEAD_BITS:
         assert planned_bytes(config, bits) == lazy_head_bytes(config, bits), bits
     assert mx.get_active_memory() - before < 2**20  # nothing was materialised
-    if name == "qwen-27b":  # the README's figures
+    if name == "qwen-27b":  # the figures in docs/heads.md, Head memory
         assert [planned_bytes(config, b) for b in HEAD_BITS] == [849_398_784, 451_267_584, 238_930_944]
 
 

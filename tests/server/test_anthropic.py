@@ -15,7 +15,7 @@ from dyno_ui.paths import BUNDLED_MODEL
 from helpers.reference import plain_greedy
 from helpers.serving import MODEL_ID, detokenize, running_server, split_think
 from speculative.config import SamplingParams, SpecConfig
-from speculative.constraints import json_schema_constraint, tool_call_constraint
+from speculative.constraints import JsonSchema, ToolCalls, ToolSchema, constraint_for
 from speculative.engine import generate
 from speculative.events import Token
 
@@ -178,7 +178,7 @@ def test_forced_tool_use_then_tool_result(server, client):
     prompt = template(lm, ask, tools=TEMPLATE_TOOLS)
     assert client.messages.count_tokens(model=MODEL_ID, messages=ask, tools=TOOLS, tool_choice=ONE_CALL,
                                         thinking=NO_THINKING).input_tokens == len(prompt)
-    constraint = tool_call_constraint(TOOLS, ONE_CALL, lm, parallel=False)
+    constraint = constraint_for(ToolCalls((ToolSchema("get_weather", WEATHER),), parallel=False), lm)
     plain = [e.id for e in generate(lm, prompt, SamplingParams(max_tokens=120, constraint=constraint),
                                     SpecConfig("off")) if isinstance(e, Token)]
     text = detokenize(lm, plain)
@@ -234,7 +234,7 @@ def test_output_config_format_is_a_grammar_with_drafting_on(server, client):
     lm = server.served.lm
     ask = [{"role": "user", "content": "Which city is the capital of France?"}]
     prompt = template(lm, ask)
-    constraint = json_schema_constraint(WEATHER, lm)
+    constraint = constraint_for(JsonSchema(WEATHER), lm)
     plain = [e.id for e in generate(lm, prompt, SamplingParams(max_tokens=80, constraint=constraint),
                                     SpecConfig("off")) if isinstance(e, Token)]
     out = client.messages.create(model=MODEL_ID, max_tokens=80, messages=ask, thinking=NO_THINKING, extra_body=GREEDY,

@@ -6,6 +6,7 @@ import pytest
 
 from helpers.reference import plain_greedy
 from dyno_ui import cli
+from dyno_ui.runtime.served import sampling_params
 from dyno_ui.server.openai.schema import ChatCompletionRequest
 from helpers.serving import MODEL_ID, detokenize, running_server, split_think
 from helpers.tiny_models import with_chat_template
@@ -199,7 +200,8 @@ def test_reasoning_is_split_and_template_kwargs_apply(thinking_server, tiny_lm):
 
 def test_requests_without_sampling_fields_use_generation_config():
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], top_k=-1, max_completion_tokens=9)
-    params = req.sampling({"temperature": 0.6, "top_p": 0.95, "top_k": 20}, 64, room=100, vocab=320)
+    params = sampling_params(req.sampling(), {"temperature": 0.6, "top_p": 0.95, "top_k": 20}, 64, room=100, vocab=320)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.95, 0, 9)
-    assert req.sampling({"do_sample": False, "temperature": 0.6}, 64, room=5, vocab=320).temperature == 0
-    assert req.sampling({}, 64, room=5, vocab=320).max_tokens == 5  # capped by the context left
+    assert sampling_params(req.sampling(), {"do_sample": False, "temperature": 0.6}, 64, room=5,
+                           vocab=320).temperature == 0
+    assert sampling_params(req.sampling(), {}, 64, room=5, vocab=320).max_tokens == 5  # capped by the context left

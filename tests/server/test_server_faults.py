@@ -116,7 +116,7 @@ def test_one_exact_log_line_per_request(server, tiny_lm, caplog):
                                          logit_bias={str(a): 100})
         server.client.completions.create(model=MODEL_ID, prompt="x", max_tokens=1, temperature=0)
     lines = [r.getMessage() for r in caplog.records if r.name == "dyno.serve"]
-    assert lines[0] == "MTP: 21 tokens in 5 rounds (4.20 per round), 15/15 drafts accepted"
+    assert lines[0] == "MTP: 21 tokens in 5 rounds (4.00 per round), 15/15 drafts accepted"
     assert lines[1].startswith("Plain: 1 tokens, no drafting")  # one token: no round was needed
     assert len(lines) == 2
 
@@ -137,7 +137,7 @@ def test_dyno_serve_command(tiny_dir, tiny_lm):
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     # 1 prefill token + 2 rounds x (2 drafts + bonus)
-    assert err.strip().splitlines()[-1] == "MTP: 7 tokens in 2 rounds (3.50 per round), 4/4 drafts accepted"
+    assert err.strip().splitlines()[-1] == "MTP: 7 tokens in 2 rounds (3.00 per round), 4/4 drafts accepted"
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from dyno_ui.paths import BUNDLED_MODEL
 from helpers.serving import MODEL_ID, detokenize, running_server
 from helpers.tool_models import XML_TEMPLATE, XML_TOOLS, with_template
 from speculative.config import SamplingParams, SpecConfig
-from speculative.constraints import combine, json_schema_constraint, tool_call_constraint
+from speculative.constraints import JsonSchema, ToolCalls, ToolSchema, combine, constraint_for
 from speculative.processors import processors_for
 
 
@@ -57,6 +57,12 @@ def plain(lm, prompt, constraint, n, logit_bias=None):
     return out
 
 
+def tool_calls(tools, lm, parallel=True, form="json"):
+    """The grammar of calls of `tools` (in OpenAI's function form), compiled as the server compiles it."""
+    schemas = tuple(ToolSchema(t["function"]["name"], t["function"]["parameters"]) for t in tools)
+    return constraint_for(ToolCalls(schemas, form, parallel), lm)
+
+
 def written_call(text):
     """(name, arguments exactly as written) of the one JSON-form call `text` holds."""
     assert text.startswith(OPEN) and text.endswith(CLOSE), text
@@ -90,7 +96,7 @@ def test_required_tool_call_equals_plain_decoding_streamed_or_not(server):
     kw = dict(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
               max_tokens=320, temperature=0, extra_body=NO_THINKING)
     whole = server.client.chat.completions.create(**kw)
-    reference = plain(lm, template(lm, ASK, TOOLS), tool_call_constraint(TOOLS, "required", lm, parallel=False), 320)
+    reference = plain(lm, template(lm, ASK, TOOLS), tool_calls(TOOLS, lm, parallel=False), 320)
     message = whole.choices[0].message
     assert one_call(message) == written_call(detokenize(lm, reference))
     assert valid(*one_call(message)) and message.content is None
@@ -115,7 +121,7 @@ def test_named_tool_choice_with_several_calls_in_one_turn(server):
     named = {"type": "function", "function": {"name": "get_weather"}}
     out = server.client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice=named,
                                                 max_tokens=220, temperature=0, extra_body=NO_THINKING)
-    reference = plain(lm, template(lm, ASK, TOOLS), tool_call_constraint(TOOLS, named, lm), 220)
+    reference = plain(lm, template(lm, ASK, TOOLS), tool_calls([WEATHER], lm), 220)
     assert out.usage.completion_tokens == len(reference) == 220  # calls end at tokens 55, 150 and 260
     # The model calls again and again (parallel calls are on): complete calls, then one cut by max_tokens.
     blocks = [b if b.startswith(OPEN) else "<tool_call>" + b for b in detokenize(lm, reference).split("\n<tool_call>")]
@@ -143,7 +149,7 @@ def test_agent_loop_with_tool_results_equals_plain_decoding(server):
                                            extra_body=NO_THINKING)
     (call,) = first.choices[0].message.tool_calls
     reference = plain(lm, template(lm, ASK, [WEATHER]),
-                      tool_call_constraint([WEATHER], "required", lm, parallel=False), 200)
+                      tool_calls([WEATHER], lm, parallel=False), 200)
     assert (call.function.name, call.function.arguments) == written_call(detokenize(lm, reference))
     assert first.usage.completion_tokens == len(reference) - 1  # all but the EOS after the one call
 
@@ -160,7 +166,7 @@ def test_agent_loop_with_tool_results_equals_plain_decoding(server):
     prompt = template(lm, replayed, [WEATHER])
     assert second.usage.prompt_tokens == len(prompt)
     assert "<tool_response>\n{\"temperature\": 21}\n</tool_response>" in lm.tokenizer.decode(prompt)
-    either = combine([tool_call_constraint([WEATHER], "required", lm), json_schema_constraint(ANSWER, lm)], lm)
+    either = combine([tool_calls([WEATHER], lm), constraint_for(JsonSchema(ANSWER), lm)], lm)
     reference = plain(lm, prompt, either, 120)
     message = second.choices[0].message
     assert message.content == detokenize(lm, reference) and second.usage.completion_tokens == len(reference)
@@ -175,7 +181,7 @@ def test_response_format_json_schema_streamed_or_not(server):
     kw = dict(model=MODEL_ID, messages=ASK, response_format=response_format, max_tokens=100, temperature=0,
               extra_body=NO_THINKING)
     whole = server.client.chat.completions.create(**kw)
-    reference = plain(lm, template(lm, ASK), json_schema_constraint(ANSWER, lm), 100)
+    reference = plain(lm, template(lm, ASK), constraint_for(JsonSchema(ANSWER), lm), 100)
     assert whole.choices[0].message.content == detokenize(lm, reference)
     jsonschema.validate(json.loads(whole.choices[0].message.content), ANSWER)
     streamed = list(server.client.chat.completions.create(stream=True, **kw))
@@ -190,7 +196,7 @@ def test_thinking_comes_before_the_constrained_answer(server):
     lm = server.served.lm
     response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
     prompt = template(lm, ASK, thinking=True)
-    after_thinking = combine([json_schema_constraint(ANSWER, lm)], lm, "</think>")
+    after_thinking = combine([constraint_for(JsonSchema(ANSWER), lm)], lm, "</think>")
     thinking = server.client.chat.completions.create(model=MODEL_ID, messages=ASK, response_format=response_format,
                                                      max_tokens=16, temperature=0)
     reference = plain(lm, prompt, after_thinking, 16)
@@ -211,7 +217,7 @@ def test_strict_tools_with_auto_choice(server):
     lm = server.served.lm
     strict = [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]
     start = lm.tokenizer.convert_tokens_to_ids("<tool_call>")
-    grammar = combine([tool_call_constraint([WEATHER], "required", lm, parallel=False)], lm, optional=True)
+    grammar = combine([tool_calls([WEATHER], lm, parallel=False)], lm, optional=True)
     prompt = template(lm, ASK, [WEATHER])  # `strict` is not rendered
     for bias, n in ((None, 30), ({start: 100.0}, 130)):  # the bias makes the model start a call at once
         out = server.client.chat.completions.create(
@@ -298,7 +304,7 @@ def test_xml_form_required_call_and_replay(xml_server):
     name, arguments = one_call(whole.choices[0].message)
     assert name == "pick" and whole.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(arguments), XML_TOOLS[0]["function"]["parameters"])
-    constraint = tool_call_constraint(XML_TOOLS, "required", lm, form="xml")
+    constraint = tool_calls(XML_TOOLS, lm, form="xml")
     reference = plain(lm, template(lm, ASK, XML_TOOLS), constraint, 200)
     assert whole.usage.completion_tokens == len(reference)
     text = detokenize(lm, reference)

@@ -47,7 +47,7 @@ class ToolCallFormat:
     start: str
     end: str
     parser: Callable  # (tools) -> BlockParser
-    form: Optional[str]  # "json" or "xml" (speculative.constraints.tool_call_constraint), else None
+    form: Optional[str]  # "json" or "xml" (speculative.constraints.ToolCalls), else None
 
 
 def tool_call_format(tokenizer) -> Optional[ToolCallFormat]:

@@ -1,25 +1,20 @@
 """From Anthropic requests to engine jobs, and from job outputs to Anthropic messages and stream events.
 
-The conversation goes through the tokenizer's chat template as the model expects it: `system`
-first, assistant `tool_use` blocks as the template's tool calls, `tool_result` blocks as tool
-messages, thinking blocks as the assistant's reasoning, and the tools in OpenAI's function form,
-which Qwen's templates render. What lies under the APIs is shared with the OpenAI routes
-(runtime/tools.py): the tool checks, the grammar of a forced call (tool_choice any or a named
-tool) or of output_config.format, and the parsing of the model's tool calls (runtime/parsers).
-The non-streaming message is a fold of the same events the stream sends.
+A request becomes the runtime's ChatRequest (runtime/request.py), which runtime/chat.py turns into
+a job as it does OpenAI's: `system` first, assistant `tool_use` blocks as the template's tool calls,
+`tool_result` blocks as tool messages, thinking blocks as the assistant's reasoning; tool_choice any
+or a named tool is a forced call and output_config.format a schema, each a grammar. What is
+Anthropic's alone is checked here: the prefill (a final assistant message) and what it cannot be
+combined with. The non-streaming message is a fold of the same events the stream sends.
 """
 
 import json
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
-from speculative.config import SamplingParams
-from speculative.constraints import json_schema_constraint
-
-from ...runtime import served as runtime
-from ...runtime import tools as runtime_tools
-from ...runtime.errors import ApiError, bad_request
+from ...runtime import chat
+from ...runtime.errors import ApiError
 from ...runtime.outputs import Failed, Finished, TextDelta, ToolCallDelta
+from ...runtime.request import ChatRequest, JsonSchema, Message, Sampling, Tool, ToolCall, ToolChoice
 from ...runtime.served import ServedModel
 from ...runtime.worker import Job
 from ..streaming import JobStream, sse
@@ -28,73 +23,16 @@ from . import schema as api
 # ---- requests ------------------------------------------------------------------------------
 
 
-def template_messages(req: api.Conversation, messages: Optional[List[api.Message]] = None) -> List[dict]:
-    """The conversation (`messages`, else the request's) as chat-template messages (OpenAI's shape,
-    which Qwen's templates read)."""
-    out = [{"role": "system", "content": req.system_text()}] if req.system is not None else []
-    for message in req.messages if messages is None else messages:
-        if message.role == "assistant":
-            out.append(_assistant(message.blocks()))
-            continue
-        text: List[str] = []  # a run of text blocks is one user turn, blocks a paragraph apart
-        for block in message.blocks():  # tool results and text, in their order
-            if isinstance(block, api.ToolResultBlock):
-                if text:
-                    out.append({"role": "user", "content": "\n\n".join(text)})
-                    text = []
-                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
-            else:
-                text.append(block.text)
-        if text:
-            out.append({"role": "user", "content": "\n\n".join(text)})
-    return out
-
-
-def _assistant(blocks) -> dict:
-    text = "".join(b.text for b in blocks if isinstance(b, api.TextBlock))
-    message = {"role": "assistant", "content": text}
-    reasoning = "".join(b.thinking for b in blocks if isinstance(b, api.ThinkingBlock))
-    if reasoning:
-        message["reasoning_content"] = reasoning
-    calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
-             for b in blocks if isinstance(b, api.ToolUseBlock)]
-    if calls:
-        message["tool_calls"] = calls
-    return message
-
-
-def template_tools(tools: Optional[List[api.Tool]]) -> Optional[List[dict]]:
-    """Anthropic tools in OpenAI's function form: what chat templates and the runtime's parsers read."""
-    if not tools:
-        return None
-    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.input_schema}} for t in tools]
-
-
-@dataclass
-class Prompt:
-    """A request checked against the served model: the model, the templated prompt, the tools in play."""
-
-    model: str  # the id the request named (one of the served ids)
-    lm: Any
-    tokens: List[int]
-    tools: Optional[List[dict]]  # template form
-    choice: Any  # Anthropic's tool_choice as a dict (speculative.constraints reads its forms)
-
-
-def prompt_for(served: ServedModel, req: api.Conversation) -> Prompt:
-    """Pick the model, check the tools, and apply the chat template (with the tools when they may be called)."""
-    _, lm = served.current(req.model)
+def chat_request(req: api.Conversation) -> ChatRequest:
+    """The request in the runtime's terms, after the checks only Anthropic's API makes."""
     prefill = prefill_text(req)
     # A final assistant message is the answer's start, not a turn (empty: the answer starts afresh).
     messages = req.messages[:-1] if req.messages[-1].role == "assistant" else req.messages
     if not messages:
         raise ApiError(400, "messages: a final assistant message (prefill) needs a user message before it",
                        param="messages")
-    tools = template_tools(req.tools)
-    choice = req.tool_choice.model_dump() if req.tool_choice else {"type": "auto"}
     forced = req.tool_choice is not None and req.tool_choice.forced
-    if forced and not tools:
+    if forced and not req.tools:
         raise ApiError(400, f"tool_choice: {req.tool_choice.type!r} requires a tool call but no tools were given",
                        param="tool_choice")
     if prefill and (forced or req.output_schema is not None):
@@ -103,17 +41,65 @@ def prompt_for(served: ServedModel, req: api.Conversation) -> Prompt:
     if prefill and req.thinking is not None and req.thinking.type == "enabled":
         raise ApiError(400, "messages: a final assistant message (prefill) cannot be combined with thinking "
                             "enabled, as in Anthropic's API: a prefill starts the text answer", param="messages")
-    with bad_request("tools"):
-        runtime_tools.check_tools(lm, tools, choice)
-    kwargs = {}
-    if req.thinking is not None and req.thinking.type != "adaptive":  # adaptive: the template's default
-        kwargs["enable_thinking"] = req.thinking.type == "enabled"
+    thinking = None  # adaptive, or not given: the template's default
+    if req.thinking is not None and req.thinking.type != "adaptive":
+        thinking = req.thinking.type == "enabled"
     if prefill:  # the prefill is the text answer's start: the template closes its think block first
-        kwargs["enable_thinking"] = False
-    # tool_choice none: the model is not told about tools (as the OpenAI routes do for "none").
-    offered = tools if runtime_tools.calls_allowed(tools, choice) else None
-    tokens = runtime.chat_prompt(lm, template_messages(req, messages), kwargs, offered, prefill)
-    return Prompt(req.model, lm, tokens, tools, choice)
+        thinking = False
+    choice, parallel = tool_choice(req.tool_choice)
+    sampling, stop = Sampling(), ()
+    if isinstance(req, api.MessagesRequest):  # count_tokens has no sampling fields
+        sampling = Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
+        stop = tuple(req.stop_strings())
+    return ChatRequest(
+        messages=tuple(conversation(req, messages)), model=req.model, tools=tuple(tools(req.tools)),
+        tool_choice=choice, parallel_tool_calls=parallel,
+        response_format=None if req.output_schema is None else JsonSchema(req.output_schema),
+        thinking=thinking, prefill=prefill, sampling=sampling, stop=stop)
+
+
+def conversation(req: api.Conversation, messages: List[api.Message]) -> List[Message]:
+    """`system`, then `messages`: a run of text blocks is one user turn (blocks a paragraph apart),
+    a tool result a tool message."""
+    out = [Message("system", req.system_text())] if req.system is not None else []
+    for message in messages:
+        if message.role == "assistant":
+            out.append(_assistant(message.blocks()))
+            continue
+        text: List[str] = []
+        for block in message.blocks():  # tool results and text, in their order
+            if isinstance(block, api.ToolResultBlock):
+                if text:
+                    out.append(Message("user", "\n\n".join(text)))
+                    text = []
+                out.append(Message("tool", block.text(), tool_call_id=block.tool_use_id))
+            else:
+                text.append(block.text)
+        if text:
+            out.append(Message("user", "\n\n".join(text)))
+    return out
+
+
+def _assistant(blocks) -> Message:
+    text = "".join(b.text for b in blocks if isinstance(b, api.TextBlock))
+    reasoning = "".join(b.thinking for b in blocks if isinstance(b, api.ThinkingBlock))
+    calls = tuple(ToolCall(b.name, b.input, b.id) for b in blocks if isinstance(b, api.ToolUseBlock))
+    return Message("assistant", text, reasoning=reasoning or None, tool_calls=calls)
+
+
+def tools(given: Optional[List[api.Tool]]) -> List[Tool]:
+    """The tools, their descriptions "" when not given."""
+    return [Tool(t.name, t.description or "", t.input_schema) for t in given or ()]
+
+
+def tool_choice(choice: Optional[api.ToolChoice]) -> Tuple[ToolChoice, bool]:
+    """(the tool choice resolved, whether the answer may make more than one call)."""
+    if choice is None:
+        return ToolChoice(), True
+    parallel = not choice.disable_parallel_tool_use
+    if choice.type == "tool":
+        return ToolChoice.named(choice.name), parallel
+    return ToolChoice("required" if choice.type == "any" else choice.type), parallel
 
 
 def prefill_text(req: api.Conversation) -> str:
@@ -137,30 +123,15 @@ def prefill_text(req: api.Conversation) -> str:
 
 def count_tokens(served: ServedModel, req: api.CountTokensRequest) -> int:
     """Tokens of the prompt /v1/messages would build for the same conversation."""
-    return len(prompt_for(served, req).tokens)
+    return len(chat.prompt_for(served, chat_request(req)).tokens)
 
 
 def message_job(served: ServedModel, req: api.MessagesRequest, sink) -> "Reply":
     """The job for a request, with the Reply that turns its outputs into events. A forced tool call
     (any, or a named tool) and output_config.format are grammars (after the reasoning the template
     opened, if any): drafting stays on and the answer is valid against the schema."""
-    prompt = prompt_for(served, req)
-    lm, tools, choice = prompt.lm, prompt.tools, prompt.choice
-    parallel = not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
-    with bad_request("output_config"):
-        response = json_schema_constraint(req.output_schema, lm) if req.output_schema is not None else None
-    with bad_request("tool_choice"):
-        constraint = runtime_tools.answer_constraint(lm, prompt.tokens, tools, choice, parallel, response)
-
-    def sampling(room: int) -> SamplingParams:
-        return SamplingParams.from_generation_config(
-            lm.generation_config, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            max_tokens=min(req.max_tokens, room), constraint=constraint)
-
-    params = runtime.checked_sampling(lm, prompt.tokens, "messages", sampling)
-    calls = runtime_tools.tool_call_stream(lm, tools, choice, parallel)
-    job = runtime.chat_job(lm, prompt.tokens, params, req.stop_strings(), sink, tool_calls=calls)
-    return Reply(prompt.model, job)
+    _, job = chat.job_for(served, chat_request(req), sink)
+    return Reply(req.model, job)  # the id the request named (one of the served ids)
 
 
 # ---- outputs -------------------------------------------------------------------------------

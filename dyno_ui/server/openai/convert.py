@@ -4,40 +4,60 @@ The non-streaming response is a fold of the same outputs the stream sends, so th
 same text.
 """
 
-from typing import AsyncIterator, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Tuple
 
-from speculative.constraints import constraint_from_response_format
-
+from ...runtime import chat
 from ...runtime import served as runtime
-from ...runtime import tools as runtime_tools
-from ...runtime.errors import ApiError, bad_request
+from ...runtime.errors import ApiError
 from ...runtime.outputs import Failed, Finished, TextDelta, TokenLogprob, ToolCallDelta
+from ...runtime.request import ChatRequest, JsonSchema
 from ...runtime.served import ServedModel
 from ...runtime.worker import Job
 from ..streaming import JobStream, sse
 from . import schema as api
 
 
+def chat_request(req: api.ChatCompletionRequest) -> ChatRequest:
+    """The request in the runtime's terms: messages, tools, tool_choice resolved, response_format as a schema."""
+    return ChatRequest(
+        messages=tuple(m.message() for m in req.messages), model=req.model,
+        tools=tuple(t.tool() for t in req.tools or ()), tool_choice=req.choice(),
+        parallel_tool_calls=req.parallel_tool_calls is not False, response_format=format_spec(req.response_format),
+        template_kwargs=req.chat_template_kwargs or {}, sampling=req.sampling(), stop=tuple(req.stop_strings()))
+
+
 def chat_job(served: ServedModel, req: api.ChatCompletionRequest, sink) -> Tuple[str, Job]:
     """(model id, job) for a chat request: the tokenizer's chat template (with the tools offered),
     reasoning split on, tool calls parsed, the answer held to a forced call or the response format."""
-    model_id, lm = served.current(req.model)  # one model for the whole request, even across a swap
-    tools, choice = req.template_tools(), req.choice()
-    parallel = req.parallel_tool_calls is not False
-    calls = runtime_tools.calls_allowed(tools, choice)
-    with bad_request("tools"):
-        runtime_tools.check_tools(lm, tools, choice)
-    prompt = runtime.chat_prompt(lm, [m.for_template() for m in req.messages], req.chat_template_kwargs,
-                                 tools if calls else None)
-    with bad_request("response_format"):
-        response = constraint_from_response_format(req.response_format, lm)
-    with bad_request("tool_choice"):
-        constraint = runtime_tools.answer_constraint(lm, prompt, tools, choice, parallel, response,
-                                                     strict=req.strict_tools())
-    params = runtime.checked_sampling(lm, prompt, "messages", lambda room: req.sampling(
-        lm.generation_config, served.default_max_tokens, room, lm.vocab_size, constraint))
-    stream = runtime_tools.tool_call_stream(lm, tools, choice, parallel)
-    return model_id, runtime.chat_job(lm, prompt, params, req.stop_strings(), sink, tool_calls=stream)
+    return chat.job_for(served, chat_request(req), sink)
+
+
+def format_spec(response_format: Any) -> Optional[JsonSchema]:
+    """`response_format` as the JSON the answer follows; None for text or absent.
+
+    {"type": "json_object"} is any JSON object; {"type": "json_schema", "json_schema": {"schema":
+    ..., "strict": ...}} is the schema, enforced whatever `strict` says (a schema-less json_schema is
+    any JSON object, as vLLM reads it). Anything else is a 400 naming the problem.
+    """
+    if response_format is None:
+        return None
+    if not isinstance(response_format, Mapping):
+        raise _bad_format("must be an object")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonSchema()
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping):
+            raise _bad_format("json_schema must be an object with a schema")
+        return JsonSchema(spec.get("schema"))
+    raise _bad_format(f"type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _bad_format(why: str) -> ApiError:
+    return ApiError(400, f"invalid response_format: {why}", param="response_format")
 
 
 def completion_job(served: ServedModel, req: api.CompletionRequest, sink) -> Tuple[str, Job]:
@@ -48,8 +68,7 @@ def completion_job(served: ServedModel, req: api.CompletionRequest, sink) -> Tup
         prompt = lm.tokenizer.encode(prompt)
     elif any(not 0 <= t < lm.vocab_size for t in prompt):
         raise ApiError(400, "prompt: token ids must be in the vocabulary", param="prompt")
-    params = runtime.checked_sampling(lm, prompt, "prompt", lambda room: req.sampling(
-        lm.generation_config, served.default_max_tokens, room, lm.vocab_size))
+    params = runtime.checked_sampling(lm, prompt, "prompt", req.sampling(), served.default_max_tokens)
     return model_id, runtime.completion_job(lm, list(prompt), params, req.stop_strings(), sink)
 
 

@@ -1,4 +1,4 @@
-"""The OpenAI API as Dyno serves it: request and response types, and the mapping to SamplingParams.
+"""The OpenAI API as Dyno serves it: request and response types, and the mapping to the runtime's request.
 
 Validation lives in the types (bounds as OpenAI documents them); the server turns a failed
 validation into an OpenAI-shaped 400. Unknown fields are ignored, as OpenAI-compatible servers do;
@@ -12,9 +12,9 @@ from typing import Any, Callable, ClassVar, Dict, List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from speculative.config import MAX_LOGPROBS, PENALTY_CONTEXT, SamplingParams
-
+from ...runtime import request as neutral
 from ...runtime.errors import ApiError
+from ...runtime.request import MAX_LOGPROBS, PENALTY_CONTEXT
 
 
 class ErrorBody(BaseModel):
@@ -123,39 +123,14 @@ class SamplingFields(_Request):
         """How many top alternatives each token's log-probability comes with; None: no logprobs."""
         return None
 
-    def sampling(self, generation_config: dict, default_max_tokens: int, room: int, vocab: int,
-                 constraint=None) -> SamplingParams:
-        """SamplingParams: request values over generation_config over greedy; `room` caps max_tokens;
-        `constraint` the grammar the answer follows (speculative.constraints), if any."""
-        wanted = self.requested_max_tokens() or default_max_tokens
-        return SamplingParams.from_generation_config(
-            generation_config, temperature=self.temperature, top_p=self.top_p, min_p=self.min_p,
-            top_k=0 if self.top_k == -1 else self.top_k, max_tokens=min(wanted, room), seed=self.seed,
-            logit_bias=_token_biases(self.logit_bias, vocab),
-            repetition_penalty=self.repetition_penalty,
-            repetition_context_size=self.repetition_context_size,
-            presence_penalty=self.presence_penalty or 0.0,
-            presence_context_size=self.repetition_context_size,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            frequency_context_size=self.repetition_context_size,
-            constraint=constraint, logprobs=self.requested_logprobs(),
-        )
-
-
-def _token_biases(logit_bias: Optional[Dict[str, float]], vocab: int) -> Optional[Dict[int, float]]:
-    """OpenAI's {"token id": bias} with ids checked against the vocabulary and biases in [-100, 100]."""
-    if not logit_bias:
-        return None
-    out = {}
-    for key, bias in logit_bias.items():
-        if not (key.strip().isascii() and key.strip().isdigit()) or int(key) >= vocab:  # "²".isdigit()
-            raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model (0..{vocab - 1})",
-                           param="logit_bias")
-        if not -100 <= bias <= 100:
-            raise ApiError(400, f"logit_bias: bias for token {key} must be in [-100, 100], got {bias}",
-                           param="logit_bias")
-        out[int(key)] = float(bias)
-    return out
+    def sampling(self) -> neutral.Sampling:
+        """The sampling fields as the runtime takes them (top_k -1, vLLM's "off", as 0)."""
+        return neutral.Sampling(
+            max_tokens=self.requested_max_tokens(), temperature=self.temperature, top_p=self.top_p,
+            top_k=0 if self.top_k == -1 else self.top_k, min_p=self.min_p, seed=self.seed,
+            logit_bias=self.logit_bias, repetition_penalty=self.repetition_penalty,
+            penalty_context=self.repetition_context_size, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0, logprobs=self.requested_logprobs())
 
 
 class TextPart(_Request):
@@ -175,9 +150,9 @@ class ToolCall(_Request):
     type: Literal["function"] = "function"
     function: FunctionCall
 
-    def for_template(self) -> dict:
-        """The call as chat templates read it: arguments as an object when they are a JSON object
-        (Qwen3.5's template iterates over them), else as the string the client sent."""
+    def call(self) -> neutral.ToolCall:
+        """The call with its arguments as an object when they are a JSON object (Qwen3.5's template
+        iterates over them), else as the string the client sent."""
         arguments = self.function.arguments
         if isinstance(arguments, str):
             try:
@@ -185,8 +160,7 @@ class ToolCall(_Request):
             except ValueError:
                 parsed = None
             arguments = parsed if isinstance(parsed, dict) else arguments
-        call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
-        return {"id": self.id, **call} if self.id is not None else call
+        return neutral.ToolCall(self.function.name, arguments, self.id)
 
 
 class ChatMessage(_Request):
@@ -197,19 +171,17 @@ class ChatMessage(_Request):
     tool_call_id: Optional[str] = None  # tool
     name: Optional[str] = None  # tool (older clients name the function here)
 
-    def for_template(self) -> dict:
-        """The message as chat templates expect it: content as one string, `developer` as `system`
-        (newer OpenAI clients send it; Qwen templates know only system), reasoning and tool calls
-        kept for the template, a tool result with its call's id."""
+    def message(self) -> neutral.Message:
+        """The message with its content as one string, `developer` as `system` (newer OpenAI clients
+        send it; Qwen templates know only system), an assistant's reasoning and tool calls, a tool
+        result's call id and name."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
-        if self.reasoning_content is not None and self.role == "assistant":
-            message["reasoning_content"] = self.reasoning_content
-        if self.tool_calls and self.role == "assistant":
-            message["tool_calls"] = [c.for_template() for c in self.tool_calls]
-        if self.role == "tool":
-            message.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v})
-        return message
+        assistant, tool = self.role == "assistant", self.role == "tool"
+        return neutral.Message(
+            role="system" if self.role == "developer" else self.role, content=content,
+            reasoning=self.reasoning_content if assistant else None,
+            tool_calls=tuple(c.call() for c in self.tool_calls or ()) if assistant else (),
+            tool_call_id=(self.tool_call_id or None) if tool else None, name=(self.name or None) if tool else None)
 
 
 class FunctionDef(_Request):
@@ -223,9 +195,9 @@ class Tool(_Request):
     type: Literal["function"] = "function"
     function: FunctionDef
 
-    def for_template(self) -> dict:
-        """The tool as chat templates render it (and as the constraints read it)."""
-        return {"type": "function", "function": self.function.model_dump(exclude_none=True, exclude={"strict"})}
+    def tool(self) -> neutral.Tool:
+        f = self.function
+        return neutral.Tool(f.name, f.description, f.parameters, strict=bool(f.strict))
 
 
 class FunctionName(_Request):
@@ -245,7 +217,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[List[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[Dict[str, Any]] = None  # read by speculative.constraints (errors name it)
+    response_format: Optional[Dict[str, Any]] = None  # read by convert.format_spec (errors name it)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # OpenAI's bound
 
@@ -261,19 +233,13 @@ class ChatCompletionRequest(SamplingFields):
     def requested_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_tools(self) -> Optional[List[dict]]:
-        """The tools as the chat template and the constraints take them; None without tools."""
-        return [t.for_template() for t in self.tools] if self.tools else None
-
-    def strict_tools(self) -> bool:
-        """True when a tool asks for strict arguments (OpenAI's function.strict)."""
-        return any(t.function.strict for t in self.tools or ())
-
-    def choice(self) -> Optional[Union[str, dict]]:
-        """tool_choice as speculative.constraints reads it ("auto" when tools come without one, as OpenAI)."""
+    def choice(self) -> neutral.ToolChoice:
+        """tool_choice, resolved: auto when not given (as OpenAI), a named function by its name."""
         if self.tool_choice is None:
-            return "auto" if self.tools else None
-        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+            return neutral.ToolChoice()
+        if isinstance(self.tool_choice, str):
+            return neutral.ToolChoice(self.tool_choice)
+        return neutral.ToolChoice.named(self.tool_choice.function.name)
 
 
 class CompletionRequest(SamplingFields):

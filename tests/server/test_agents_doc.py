@@ -1,5 +1,5 @@
-"""README's "Using Dyno from agents and editors", run: its `dyno serve` line configures the server the
-other examples then talk to (environment variables, Python snippets, curl commands), each as written
+"""docs/agents.md ("Using Dyno from agents and editors"), run: its `dyno serve` line configures the server
+the other examples then talk to (environment variables, Python snippets, curl commands), each as written
 but for the address."""
 
 import contextlib
@@ -24,20 +24,22 @@ from speculative.config import SpecConfig
 
 pytestmark = pytest.mark.e2e
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-TITLE = "## Using Dyno from agents and editors"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "agents.md"
+TITLE = "# Using Dyno from agents and editors"
 ADDRESS = "http://127.0.0.1:8080"
 
 
 def section() -> str:
-    text = README.read_text()
-    start = text.index(TITLE)
-    end = text.index("\n## ", start + len(TITLE))
-    return text[start:end]
+    """The whole page: every example on it is run here."""
+    text = PAGE.read_text()
+    assert text.startswith(TITLE + "\n")
+    return text
 
 
 def blocks(kind: str):
-    """The section's fenced blocks of one language, in order."""
+    """The page's fenced blocks of one language, in order."""
     return re.findall(rf"```{kind}\n(.*?)```", section(), flags=re.S)
 
 
@@ -46,15 +48,15 @@ def commands(block: str):
     return [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
-def test_the_section_has_only_examples_this_file_runs():
+def test_the_page_has_only_examples_this_file_runs():
     fences = [kind for kind, _ in re.findall(r"```(\w*)\n(.*?)```", section(), flags=re.S)]
     assert fences == ["bash", "bash", "python", "python", "python", "bash"]
-    assert "](#using-dyno-from-agents-and-editors)" in README.read_text()  # the dyno serve section links here
+    assert "](docs/agents.md)" in README.read_text()  # the README's dyno serve section links here
 
 
 @pytest.fixture(scope="module")
 def readme_server():
-    """The server the README's `dyno serve` line asks for, on dyno-tiny (the default model)."""
+    """The server the page's `dyno serve` line asks for, on dyno-tiny (the default model)."""
     serve = commands(blocks("bash")[0])
     assert len(serve) == 1
     words = shlex.split(serve[0])
@@ -94,7 +96,7 @@ def test_python_examples(readme_server, index):
     # random when a request names none: seeded here so that each run draws the same text.
     random.seed(index)
     with contextlib.redirect_stdout(out):
-        exec(compile(code.replace(ADDRESS, readme_server.url), f"README python example {index + 1}", "exec"), {})
+        exec(compile(code.replace(ADDRESS, readme_server.url), f"docs/agents.md python example {index + 1}", "exec"), {})
     printed = out.getvalue()
     assert printed.strip()
     if index == 2:  # the tool example: a call of get_weather with a city the schema allows

@@ -1,0 +1,73 @@
+"""A ChatRequest (runtime/request.py) becomes a job here, the same way for every API: pick the model,
+check the tools, apply the chat template, compile the grammar the answer follows, check the prompt
+against the context, and make the job that splits reasoning and parses tool calls.
+
+Errors are ApiErrors naming the field at fault (OpenAI's field names, as ApiError's other names).
+"""
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+from speculative.constraints import constraint_for
+from speculative.loader import LoadedModel
+
+from .errors import bad_request
+from .request import ChatRequest, Message, ToolCall
+from .served import ServedModel, chat_job, chat_prompt, checked_sampling
+from .tools import answer_constraint, check_tools, template_tools, tool_call_stream
+from .worker import Job
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A request's prompt: the model it goes to and its token ids."""
+
+    model: str  # the served model's id
+    lm: LoadedModel
+    tokens: List[int]
+
+
+def prompt_for(served: ServedModel, request: ChatRequest) -> Prompt:
+    """Pick the model, check the tools, and apply the chat template (with the tools when they may be called)."""
+    model_id, lm = served.current(request.model)  # one model for the whole request, even across a swap
+    with bad_request("tools"):
+        check_tools(lm, request)
+    kwargs = dict(request.template_kwargs)
+    if request.thinking is not None:
+        kwargs["enable_thinking"] = request.thinking
+    messages = [template_message(m) for m in request.messages]
+    return Prompt(model_id, lm, chat_prompt(lm, messages, kwargs, template_tools(request), request.prefill))
+
+
+def job_for(served: ServedModel, request: ChatRequest, sink) -> Tuple[str, Job]:
+    """(served model id, job) for `request`: the templated prompt, the answer held to a forced call or
+    the response format (after any reasoning the template opened), tool calls parsed."""
+    prompt = prompt_for(served, request)
+    lm = prompt.lm
+    with bad_request("response_format"):
+        response = None if request.response_format is None else constraint_for(request.response_format, lm)
+    with bad_request("tool_choice"):
+        constraint = answer_constraint(lm, prompt.tokens, request, response)
+    params = checked_sampling(lm, prompt.tokens, "messages", request.sampling, served.default_max_tokens,
+                              constraint)
+    job = chat_job(lm, prompt.tokens, params, list(request.stop), sink, tool_calls=tool_call_stream(lm, request))
+    return prompt.model, job
+
+
+def template_message(message: Message) -> dict:
+    """A message as chat templates take it (Hugging Face's convention, which Qwen's templates read)."""
+    out = {"role": message.role, "content": message.content}
+    if message.reasoning is not None:
+        out["reasoning_content"] = message.reasoning
+    if message.tool_calls:
+        out["tool_calls"] = [_template_call(c) for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _template_call(call: ToolCall) -> dict:
+    function = {"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return function if call.id is None else {"id": call.id, **function}
