@@ -4,7 +4,7 @@ line, the JSON, /stats, /metrics, the playground's Trace and the bench report th
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from speculative import bench
+from speculative.measure import bench
 from speculative.measure.bench import Run, paired_benchmark
 from speculative.config import SamplingParams
 from speculative.events import Done, Provenance, Round, Token
