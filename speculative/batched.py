@@ -22,7 +22,7 @@ from .engine import PREFILL_STEP, Speculator
 from .errors import DynoError
 from .events import Provenance, Round, Token
 from .loader import LoadedModel
-from .prefix_cache import Resume
+from .prefix_cache import Resume, ShiftedKVCache
 from .sampling import log_softmax, warp
 from .verify import greedy_accept, lossless_accept
 
@@ -33,11 +33,15 @@ COMPACT_AT = 256
 # ---- the caches, row by row ----
 
 def as_batch(cache: List) -> List:
-    """A one-row cache list (KVCache, ArraysCache) as one-row batch caches."""
+    """A one-row cache list (KVCache, ShiftedKVCache, ArraysCache) as one-row batch caches."""
     out = []
     for c in cache:
         if isinstance(c, KVCache):
             out.append(BatchKVCache.merge([c]))
+        elif isinstance(c, ShiftedKVCache):  # a head without its first rows: RoPE positions stay true
+            rows = BatchKVCache.merge([c.rows])
+            rows.offset = rows.offset + c.start
+            out.append(rows)
         elif isinstance(c, ArraysCache):
             rows = ArraysCache(len(c.cache))  # no left padding: the row's state is its own tokens only
             rows.cache = list(c.cache)

@@ -7,11 +7,13 @@ import mlx.core as mx
 import pytest
 
 from helpers.reference import plain_greedy
+from speculative import batched
 from speculative.batched import BatchSpeculator
-from speculative.config import SamplingParams
-from speculative.engine import Speculator
+from speculative.config import SamplingParams, SpecConfig
+from speculative.engine import Speculator, generate
 from speculative.events import Provenance, Round, Token
 from speculative.loader import load_model
+from speculative.prefix_cache import PrefixCache
 from speculative.stats import GenerationStats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,3 +153,48 @@ def test_a_seeded_row_draws_the_same_alone_and_in_a_batch(bundled, depth):
     beside, _ = drive(BatchSpeculator(lm), depth, {0: other[:1], 2: [("s", prompt, SAMPLED)], 5: other[1:]})
     assert tokens(alone["s"]) == reference
     assert tokens(beside["s"]) == reference
+
+
+def test_a_row_with_processors_beside_a_free_row(bundled):
+    """Penalties and logit bias apply to the row's own drafts and verify rows, with its own history."""
+    lm = bundled("dyno-tiny")
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS[:2]]
+    shaped = SamplingParams(max_tokens=50, repetition_penalty=1.3, logit_bias={198: -2.0})
+    free = SamplingParams(max_tokens=50)
+    events, _ = drive(BatchSpeculator(lm), 3, {0: [(0, prompts[0], shaped), (1, prompts[1], free)]})
+    plain = [e.id for e in generate(lm, prompts[0], shaped, SpecConfig("off")) if isinstance(e, Token)]
+    assert tokens(events[0]) == plain
+    assert tokens(events[1]) == plain_greedy(lm, prompts[1], 50)
+    assert plain != plain_greedy(lm, prompts[0], 50)  # the processors did change the text
+
+
+@pytest.mark.parametrize("mode", ["mtp", "off"])  # "off": the entry has no head rows (shifted head cache)
+def test_a_row_resumed_from_the_prefix_cache_beside_a_cold_one(bundled, mode):
+    lm = bundled("dyno-tiny")
+    cache = PrefixCache()
+    first = lm.tokenizer.encode(PROMPTS[0])
+    done = list(generate(lm, first, SamplingParams(max_tokens=12), SpecConfig(mode, 3), prefix_cache=cache))
+    prompt = first + tokens(done) + lm.tokenizer.encode("\n# next\n")
+    resume = cache.take(prompt, head_layers=len(lm.head.layers))
+    assert resume is not None and len(resume) > len(first)
+    cold = lm.tokenizer.encode(PROMPTS[3])
+    batch = BatchSpeculator(lm)
+    got = {"cold": tokens(batch.join("cold", cold, SamplingParams(max_tokens=40)).events)}
+    got["warm"] = tokens(batch.join("warm", prompt, SamplingParams(max_tokens=40), resume,
+                                    cache.plan(len(prompt), (), len(resume))).events)
+    while batch:
+        for i, out in batch.step(3).items():
+            got[i] += tokens(out.events)
+    assert got["warm"] == plain_greedy(lm, prompt, 40)
+    assert got["cold"] == plain_greedy(lm, cold, 40)
+
+
+def test_shared_left_padding_is_dropped(bundled, monkeypatch):
+    """Rows that reject drafts pile up left padding; once every row has some it is cut, unchanged output."""
+    monkeypatch.setattr(batched, "COMPACT_AT", 2)
+    lm = bundled("dyno-tiny")
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS[:2]]
+    batch = BatchSpeculator(lm)
+    events, _ = drive(batch, 3, {0: [(i, p, SamplingParams(max_tokens=60)) for i, p in enumerate(prompts)]})
+    for i, p in enumerate(prompts):
+        assert tokens(events[i]) == plain_greedy(lm, p, 60)
