@@ -1,11 +1,14 @@
 """Batched drafting is exact per row: every row's greedy tokens are plain mlx-lm's for its own prompt
 whatever joins or leaves beside it, and a seeded sampled row draws the same tokens alone or in a batch."""
 
+import dataclasses
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from scipy.stats import chi2
 
+from helpers.distribution import FALSE_ALARM, PARAMS, chi_square, exact_joint
 from helpers.reference import plain_greedy
 from speculative import batched
 from speculative.batched import BatchSpeculator
@@ -198,3 +201,23 @@ def test_shared_left_padding_is_dropped(bundled, monkeypatch):
     events, _ = drive(batch, 3, {0: [(i, p, SamplingParams(max_tokens=60)) for i, p in enumerate(prompts)]})
     for i, p in enumerate(prompts):
         assert tokens(events[i]) == plain_greedy(lm, p, 60)
+
+
+@pytest.mark.slow
+def test_rows_sampled_side_by_side_follow_the_model(tiny_lm):
+    """Chi-square per row against the exact distribution of its first three tokens, with the other
+    row sampling beside it (its own prompt, its own seed) in every round."""
+    lm = tiny_lm("tied-gqa2")
+    prompts = {"a": lm.tokenizer.encode("x = "), "b": lm.tokenizer.encode("def f(y):\n")}
+    joints = {i: exact_joint(lm, p) for i, p in prompts.items()}
+    n = 600
+    counts = {i: {} for i in prompts}
+    for seed in range(n):
+        rows = [(i, p, dataclasses.replace(PARAMS, seed=seed * 2 + j)) for j, (i, p) in enumerate(prompts.items())]
+        events, _ = drive(BatchSpeculator(lm), 2, {0: rows})
+        for i in prompts:
+            key = tuple(tokens(events[i]))
+            counts[i][key] = counts[i].get(key, 0) + 1
+    for i in prompts:
+        stat, dof = chi_square(counts[i], joints[i], n)
+        assert stat < chi2.isf(FALSE_ALARM, dof), (i, stat, dof)
