@@ -1,0 +1,293 @@
+"""Batched drafting: B rows, each its own request, share one head pass per draft step and one trunk
+pass per round; acceptance, rollback, RNG and stopping stay per row.
+
+A row is prefilled alone at its own length (the single-row Speculator's prefill, prefix reuse
+included) and then joins: its attention caches become rows of mlx-lm BatchKVCaches (left padding,
+a RoPE offset per row), its Gated DeltaNet caches rows of ArraysCaches (no pad token ever enters a
+recurrent state). Rows leave between rounds. Rollback is exact per row: a row's rejected KV slots
+are rolled into its own left padding, where the mask hides them (a zeroed key would still add e^0
+to the softmax denominator), and its GDN state is taken from its own position on the verify tape.
+"""
+
+from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Union
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, dynamic_roll
+from mlx_lm.models.gated_delta import gated_delta_update
+
+from .cache import GDNTape
+from .config import SamplingParams
+from .draft_vocab import draft_lm_head, greedy_token
+from .engine import PREFILL_STEP, Speculator
+from .errors import DynoError
+from .events import Provenance, Round, Token
+from .loader import LoadedModel
+from .prefix_cache import Resume, ShiftedKVCache
+from .sampling import log_softmax, warp
+from .verify import greedy_accept, lossless_accept
+
+# Left padding every row of a cache shares is dropped once it reaches this many slots.
+COMPACT_AT = 256
+
+
+# ---- the caches, row by row ----
+
+def as_batch(cache: List) -> List:
+    """A one-row cache list (KVCache, ShiftedKVCache, ArraysCache) as one-row batch caches."""
+    out = []
+    for c in cache:
+        if isinstance(c, KVCache):
+            out.append(BatchKVCache.merge([c]))
+        elif isinstance(c, ShiftedKVCache):  # a head without its first rows: RoPE positions stay true
+            rows = BatchKVCache.merge([c.rows])
+            rows.offset = rows.offset + c.start
+            out.append(rows)
+        elif isinstance(c, ArraysCache):
+            rows = ArraysCache(len(c.cache))  # no left padding: the row's state is its own tokens only
+            rows.cache = list(c.cache)
+            out.append(rows)
+        else:
+            raise DynoError(f"batched drafting cannot hold a {type(c).__name__}")
+    return out
+
+
+def extend(batch: List, rows: List) -> None:
+    """Append the rows of `rows` (batch caches) to `batch`, layer by layer."""
+    for mine, theirs in zip(batch, rows):
+        mine.extend(theirs)
+
+
+def keep_rows(batch: List, indices: List[int]) -> None:
+    """Keep only the rows at `indices` of every cache in `batch`."""
+    index = mx.array(indices)
+    for c in batch:
+        c.filter(index)
+
+
+def trim_rows(cache: BatchKVCache, fed: int, kept: List[int]) -> None:
+    """Of the last `fed` slots keep row i's first kept[i]: the slots it rejected are rolled right
+    into its left padding (masked, never zeroed); its offset (RoPE position) drops by as many."""
+    drop = [fed - k for k in kept]
+    cache.trim(min(drop))  # the part every row drops
+    extra = [d - min(drop) for d in drop]
+    if any(extra):  # as BatchKVCache.finalize: roll each row by its own count
+        shift = mx.array(extra)
+        cache.keys = dynamic_roll(cache.keys, shift[:, None], axis=2)
+        cache.values = dynamic_roll(cache.values, shift[:, None], axis=2)
+        cache.offset = cache.offset - shift
+        cache.left_padding = cache.left_padding + shift
+    shared = mx.min(cache.left_padding).item()
+    if shared >= COMPACT_AT:  # padding every row has: drop it, as BatchKVCache.filter does
+        cache.keys, cache.values = cache.keys[..., shared:, :], cache.values[..., shared:, :]
+        cache._idx -= shared
+        cache.left_padding = cache.left_padding - shared
+
+
+def commit_rows(tape: GDNTape, consumed: List[int]) -> None:
+    """GDNTape.commit per row: row i's conv window and state after its first consumed[i] tokens."""
+    if len(set(consumed)) == 1:
+        tape.commit(consumed[0])
+        return
+    rows = mx.arange(len(consumed))
+    c = mx.array(consumed)
+    window = tape.cache[0].shape[1]  # K-1: the pass left its last rows there
+    # After consuming c tokens the window is rows [c, c + K-1) of conv_input.
+    tape.cache[0] = tape.conv_input[rows[:, None], c[:, None] + mx.arange(window)[None]]
+    if tape.states is not None:
+        states = mx.stack([tape.state_before] + tape.states, axis=1)  # [B, T+1, Hv, Dv, Dk]
+        tape.cache[1] = states[rows, c]
+    else:  # the Metal kernel kept only the final state: replay each row's kept steps
+        q, k, v, a, b, layer = tape.replay
+        tape.cache[1] = mx.concatenate([
+            gated_delta_update(q[i : i + 1, :n], k[i : i + 1, :n], v[i : i + 1, :n], a[i : i + 1, :n],
+                               b[i : i + 1, :n], layer.A_log, layer.dt_bias, tape.state_before[i : i + 1])[1]
+            for i, n in enumerate(consumed)
+        ])
+
+
+def rollback_rows(attention: List, tapes: List[GDNTape], fed: int, kept: List[int]) -> None:
+    """After a pass of `fed` tokens per row, keep row i's first kept[i] in every cache given."""
+    for c in attention:
+        trim_rows(c, fed, kept)
+    for tape in tapes:
+        commit_rows(tape, kept)
+
+
+# ---- the speculator ----
+
+class RowEvents(NamedTuple):
+    """What one row emitted in a join or a round, and why it finished (None: it goes on)."""
+
+    events: List[Union[Round, Token]]
+    finish: Optional[str] = None  # "stop" (EOS) or "length" (max_tokens)
+
+
+class BatchSpeculator:
+    """Rows of speculative generation drafted and verified together; rows join and leave between rounds.
+
+    Each row is a single-row Speculator that holds the row's own state (prompt, generated tokens,
+    sampling parameters, processors, RNG key); the caches, pending tokens and head hiddens of all
+    rows live here, row b of each batch array belonging to self.ids[b].
+    """
+
+    def __init__(self, lm: LoadedModel, prefill_step: int = PREFILL_STEP, draft_vocab: Optional[int] = None):
+        if lm.head is None:
+            raise DynoError("batched drafting needs an MTP head")
+        if lm.ranks is not None:
+            raise DynoError("batched drafting runs in one process")
+        self.lm, self.target, self.head = lm, lm.target, lm.head
+        self.prefill_step, self.draft_vocab = prefill_step, draft_vocab
+        self.draft_lm_head = draft_lm_head(lm, draft_vocab)
+        self.ids: List[Hashable] = []  # row b's request
+        self.rows: List[Speculator] = []  # row b's own state
+        self.trunk_cache: List = []  # batch caches, one per trunk layer
+        self.head_cache: List = []  # batch caches, one per head layer
+        self.pending: Optional[mx.array] = None  # [B] each row's emitted token the trunk has not seen
+        self.head_hidden: Optional[mx.array] = None  # [B, 1, H] head output of each row's last committed row
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __contains__(self, row_id: Hashable) -> bool:
+        return row_id in self.ids
+
+    def join(self, row_id: Hashable, prompt: Sequence[int], params: SamplingParams,
+             resume: Optional[Resume] = None, cuts: Sequence[int] = ()) -> RowEvents:
+        """Prefill `prompt` alone (after `resume`'s prefix), then add the row to the batch; returns its
+        first token. A row that ends at its first token never joins."""
+        if row_id in self.ids:
+            raise DynoError(f"row {row_id!r} is already in the batch")
+        if len(prompt) == 0:
+            raise DynoError("the prompt is empty")
+        row = Speculator(self.lm, params, 1, self.prefill_step, self.draft_vocab)
+        row.prompt = list(prompt)
+        row.generated = [row.prefill(row.prompt, resume, cuts).item()]
+        out = RowEvents([Token(row.generated[0], Provenance.PLAIN, row.scores[0])], self._finish(row, 1))
+        if out.finish is not None:
+            return out
+        trunk, head = as_batch(row.trunk_cache), as_batch(row.head_cache)
+        row.trunk_cache = row.head_cache = None  # the batch owns them now
+        if self.ids:
+            extend(self.trunk_cache, trunk)
+            extend(self.head_cache, head)
+            self.pending = mx.concatenate([self.pending, row.pending])
+            self.head_hidden = mx.concatenate([self.head_hidden, row.head_hidden])
+        else:
+            self.trunk_cache, self.head_cache = trunk, head
+            self.pending, self.head_hidden = row.pending, row.head_hidden
+        self.ids.append(row_id)
+        self.rows.append(row)
+        return out
+
+    def leave(self, row_id: Hashable) -> None:
+        """Drop a row (a stop string, a cancel, an error) between rounds."""
+        self._keep([b for b, i in enumerate(self.ids) if i != row_id])
+
+    def _keep(self, indices: List[int]) -> None:
+        if len(indices) == len(self.ids):
+            return
+        self.ids = [self.ids[b] for b in indices]
+        self.rows = [self.rows[b] for b in indices]
+        if not indices:
+            self.trunk_cache, self.head_cache, self.pending, self.head_hidden = [], [], None, None
+            return
+        keep_rows(self.trunk_cache + self.head_cache, indices)
+        index = mx.array(indices)
+        self.pending, self.head_hidden = self.pending[index], self.head_hidden[index]
+
+    def step(self, depth: int) -> Dict[Hashable, RowEvents]:
+        """One round for every row at draft depth `depth`: draft, verify, accept and roll back per row.
+
+        Returns each row's Round and tokens; rows that reached EOS or max_tokens have left."""
+        if not self.ids:
+            return {}
+        k, B = depth, len(self.ids)
+        head_start = self.head_cache[0].size()
+        drafts, draft_probs = self.draft(k)  # [B, k], per row [k, V] or None
+        logits, hidden, tapes = self.target.verify(
+            mx.concatenate([self.pending[:, None], drafts], axis=1), self.trunk_cache)
+        mx.async_eval(logits, hidden)
+        n_acc, nxt, processed = [], [], []
+        for b, row in enumerate(self.rows):  # acceptance per row, with the row's own rule and key
+            rows = row._process(logits[b], drafts[b])  # the processors the row's drafts saw
+            if row.params.greedy:
+                n, t = greedy_accept(drafts[b], log_softmax(rows))
+            else:
+                n, t = lossless_accept(drafts[b], draft_probs[b], mx.exp(warp(rows, row.params)), row._split())
+            n_acc.append(n)
+            nxt.append(t.astype(drafts.dtype))
+            processed.append(rows)
+        n_acc, nxt = mx.stack(n_acc), mx.stack(nxt)
+        # Head rows for every position a row may keep (as Speculator.step): cut the draft
+        # recursion's rows, then row i pairs trunk hidden i with the token after it.
+        for c in self.head_cache:
+            c.trim(c.size() - head_start)
+        follow = mx.where(mx.arange(k + 1)[None] < n_acc[:, None],
+                          mx.concatenate([drafts, nxt[:, None]], axis=1), nxt[:, None])
+        head_rows = self.head(self.target.embed(follow), hidden, self.head_cache)
+        mx.eval(n_acc, nxt, drafts)  # the round's one host sync
+        kept = [a + 1 for a in n_acc.tolist()]
+        rollback_rows([c for c in self.trunk_cache if isinstance(c, BatchKVCache)], tapes, k + 1, kept)
+        rollback_rows(self.head_cache, [], k + 1, kept)
+        self.head_hidden = head_rows[mx.arange(B), n_acc][:, None]
+        self.pending = nxt
+        return self._emit(k, kept, drafts.tolist(), nxt.tolist(), processed)
+
+    def draft(self, k: int):
+        """k drafts per row by one head pass per step: ([B, k] tokens, per row [k, V] draft probs or None)."""
+        g = self.head_hidden  # [B, 1, H]
+        histories = [r._history() if r.processors else None for r in self.rows]
+        plain = [r.params.greedy and h is None for r, h in zip(self.rows, histories)]
+        steps, probs = [], [[] for _ in self.rows]
+        for j in range(k):
+            greedy = greedy_token(self.draft_lm_head, g[:, -1]) if any(plain) else None  # [B]
+            logits = self.draft_lm_head(g[:, -1]) if not all(plain) else None  # [B, V]
+            picks = []
+            for b, row in enumerate(self.rows):
+                if plain[b]:
+                    picks.append(greedy[b : b + 1])
+                    continue
+                lb = logits[b : b + 1]
+                if histories[b] is not None:  # draft j follows the committed tokens and drafts 0..j-1
+                    lb = row.processors.row(lb, histories[b], mx.concatenate([s[b : b + 1] for s in steps]) if steps else None)
+                d, q = row._pick(lb)
+                picks.append(d)
+                probs[b].append(q)
+            d = mx.concatenate(picks) if len(picks) > 1 else picks[0]
+            steps.append(d)
+            if j + 1 < k:  # recurse: each row's draft with the head's own output, position + 1
+                g = self.head(self.target.embed(d[:, None]), g, self.head_cache)
+        drafts = mx.stack(steps, axis=1)
+        return drafts, [None if r.params.greedy else mx.concatenate(p) for r, p in zip(self.rows, probs)]
+
+    def _emit(self, k: int, kept: List[int], drafts: List[List[int]], nxt: List[int], processed) -> Dict[Hashable, RowEvents]:
+        """Each row's Round and tokens, cut at its EOS or max_tokens; finished rows leave."""
+        out, staying = {}, []
+        for b, (row_id, row) in enumerate(zip(self.ids, self.rows)):
+            accepted = drafts[b][: kept[b] - 1]
+            tokens = accepted + [nxt[b]]
+            scores = row._scored(processed[b], tokens)
+            provenance = [Provenance.DRAFT] * len(accepted) + [
+                Provenance.BONUS if len(accepted) == k else Provenance.CORRECTION]
+            events, finish = [Round(k, len(accepted))], None
+            for t, p, s in zip(tokens, provenance, scores):
+                row.generated.append(t)
+                events.append(Token(t, p, s))
+                finish = self._finish(row, len(row.generated))
+                if finish is not None:
+                    break
+            row.generated += tokens[len(events) - 1 :]  # committed past the cut: the row leaves anyway
+            out[row_id] = RowEvents(events, finish)
+            if finish is None:
+                staying.append(b)
+        self._keep(staying)
+        return out
+
+    @staticmethod
+    def _finish(row: Speculator, n: int) -> Optional[str]:
+        """Why a row ends after its n-th token, or None."""
+        if row.generated[n - 1] in row.eos:
+            return "stop"
+        if n >= row.params.max_tokens:
+            return "length"
+        return None

@@ -1,0 +1,223 @@
+"""Batched drafting is exact per row: every row's greedy tokens are plain mlx-lm's for its own prompt
+whatever joins or leaves beside it, and a seeded sampled row draws the same tokens alone or in a batch."""
+
+import dataclasses
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from scipy.stats import chi2
+
+from helpers.distribution import FALSE_ALARM, PARAMS, chi_square, exact_joint
+from helpers.reference import plain_greedy
+from speculative import batched
+from speculative.batched import BatchSpeculator
+from speculative.config import SamplingParams, SpecConfig
+from speculative.engine import Speculator, generate
+from speculative.events import Provenance, Round, Token
+from speculative.loader import load_model
+from speculative.prefix_cache import PrefixCache
+from speculative.stats import GenerationStats
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="row invariance holds on the CPU backend")
+
+PROMPTS = [  # different lengths, so rows carry different left padding
+    "def read_config(path):\n",
+    "# Sort a list of numbers\ndef sort(xs):\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",  # the MoE model ends it at EOS
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
+]
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    """The bundled models, dense and MoE: trained heads, so rows accept different counts per round."""
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            loaded[name] = load_model(ROOT / "assets" / name)
+        return loaded[name]
+
+    return get
+
+
+def drive(batch, depth, joins, limit=1000):
+    """Run rounds until every row has finished; `joins` maps a round number to the rows
+    (id, prompt, params) joining before it. Returns each row's events and finish reason."""
+    events, finish = {}, {}
+    rounds = 0
+    while (batch or any(r >= rounds for r in joins)) and rounds < limit:
+        for row_id, prompt, params in joins.get(rounds, []):
+            out = batch.join(row_id, prompt, params)
+            events[row_id] = list(out.events)
+            if out.finish:
+                finish[row_id] = out.finish
+        for row_id, out in batch.step(depth).items():
+            events[row_id] += out.events
+            if out.finish:
+                finish[row_id] = out.finish
+        rounds += 1
+    return events, finish
+
+
+def tokens(events):
+    return [e.id for e in events if isinstance(e, Token)]
+
+
+@pytest.mark.parametrize("name", ["dyno-tiny", "dyno-tiny-moe"])
+@pytest.mark.parametrize("depth", [1, 3])
+def test_every_row_is_plain_greedy(bundled, name, depth):
+    """Rows of different lengths; rows leave early (max_tokens, EOS) and join mid-generation."""
+    lm = bundled(name)
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+    limits = [60, 70, 40, 25]
+    joins = {0: [(i, prompts[i], SamplingParams(max_tokens=limits[i])) for i in (0, 1)],
+             3: [(2, prompts[2], SamplingParams(max_tokens=limits[2]))],
+             6: [(3, prompts[3], SamplingParams(max_tokens=limits[3]))]}
+    batch = BatchSpeculator(lm)
+    events, finish = drive(batch, depth, joins)
+    assert len(batch) == 0
+    for i, prompt in enumerate(prompts):
+        want = plain_greedy(lm, prompt, limits[i])
+        assert tokens(events[i]) == want, f"row {i}"
+        assert finish[i] == ("stop" if want[-1] in lm.eos_token_ids else "length")
+    # Rows 0 and 1 (in the batch together from the first round) accepted different counts in the
+    # same round: the ragged rollback was exercised.
+    accepted = [[e.accepted for e in events[i] if isinstance(e, Round)] for i in (0, 1)]
+    assert any(a != b for a, b in zip(accepted[0], accepted[1]))
+
+
+def test_events_fold_as_single_row_events(bundled):
+    """Each row's events fold in GenerationStats as a single speculator's do: the same tokens,
+    provenance and acceptance counts."""
+    lm = bundled("dyno-tiny")
+    prompt = lm.tokenizer.encode(PROMPTS[2])
+    params = SamplingParams(max_tokens=40)
+    single = Speculator(lm, params, 3, 2048)
+    alone = []
+    for e in single.run(prompt):
+        alone.append(e)
+        if len(tokens(alone)) == 40:
+            break
+    batch = BatchSpeculator(lm)
+    events, _ = drive(batch, 3, {0: [("a", prompt, params), ("b", lm.tokenizer.encode(PROMPTS[2]), params)]})
+    got, want = GenerationStats(3), GenerationStats(3)
+    for e in events["a"]:
+        got.add(e)
+    for e in alone:
+        want.add(e)
+    assert (got.tokens, got.provenance, got.rounds, got.accepted_per_position) == \
+           (want.tokens, want.provenance, want.rounds, want.accepted_per_position)
+    assert Provenance.BONUS in [e.provenance for e in events["a"] if isinstance(e, Token)]
+
+
+def test_a_row_that_leaves_mid_generation_leaves_the_others_exact(bundled):
+    lm = bundled("dyno-tiny")
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+    batch = BatchSpeculator(lm)
+    got = {i: tokens(batch.join(i, p, SamplingParams(max_tokens=45)).events) for i, p in enumerate(prompts)}
+    for r in range(40):
+        if r == 4:
+            batch.leave(1)  # a cancel or a stop string, between rounds
+        for i, out in batch.step(2).items():
+            got[i] += tokens(out.events)
+    assert 1 not in batch
+    for i in (0, 2, 3):
+        assert got[i] == plain_greedy(lm, prompts[i], 45)
+
+
+def test_a_row_ending_at_its_first_token_never_joins(bundled):
+    lm = bundled("dyno-tiny")
+    batch = BatchSpeculator(lm)
+    out = batch.join("x", lm.tokenizer.encode(PROMPTS[1]), SamplingParams(max_tokens=1))
+    assert out.finish == "length" and len(tokens(out.events)) == 1 and len(batch) == 0
+
+
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, max_tokens=40, seed=7)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_seeded_row_draws_the_same_alone_and_in_a_batch(bundled, depth):
+    """And the same as the single-row speculator with that seed: the row's RNG is its own."""
+    lm = bundled("dyno-tiny")
+    prompt = lm.tokenizer.encode(PROMPTS[0])
+    single = Speculator(lm, SAMPLED, depth, 2048)
+    reference = []
+    for e in single.run(prompt):
+        if isinstance(e, Token):
+            reference.append(e.id)
+        if len(reference) == SAMPLED.max_tokens:
+            break
+    alone, _ = drive(BatchSpeculator(lm), depth, {0: [("s", prompt, SAMPLED)]})
+    other = [("g", lm.tokenizer.encode(PROMPTS[2]), SamplingParams(max_tokens=30)),
+             ("t", lm.tokenizer.encode(PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=50))]
+    beside, _ = drive(BatchSpeculator(lm), depth, {0: other[:1], 2: [("s", prompt, SAMPLED)], 5: other[1:]})
+    assert tokens(alone["s"]) == reference
+    assert tokens(beside["s"]) == reference
+
+
+def test_a_row_with_processors_beside_a_free_row(bundled):
+    """Penalties and logit bias apply to the row's own drafts and verify rows, with its own history."""
+    lm = bundled("dyno-tiny")
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS[:2]]
+    shaped = SamplingParams(max_tokens=50, repetition_penalty=1.3, logit_bias={198: -2.0})
+    free = SamplingParams(max_tokens=50)
+    events, _ = drive(BatchSpeculator(lm), 3, {0: [(0, prompts[0], shaped), (1, prompts[1], free)]})
+    plain = [e.id for e in generate(lm, prompts[0], shaped, SpecConfig("off")) if isinstance(e, Token)]
+    assert tokens(events[0]) == plain
+    assert tokens(events[1]) == plain_greedy(lm, prompts[1], 50)
+    assert plain != plain_greedy(lm, prompts[0], 50)  # the processors did change the text
+
+
+@pytest.mark.parametrize("mode", ["mtp", "off"])  # "off": the entry has no head rows (shifted head cache)
+def test_a_row_resumed_from_the_prefix_cache_beside_a_cold_one(bundled, mode):
+    lm = bundled("dyno-tiny")
+    cache = PrefixCache()
+    first = lm.tokenizer.encode(PROMPTS[0])
+    done = list(generate(lm, first, SamplingParams(max_tokens=12), SpecConfig(mode, 3), prefix_cache=cache))
+    prompt = first + tokens(done) + lm.tokenizer.encode("\n# next\n")
+    resume = cache.take(prompt, head_layers=len(lm.head.layers))
+    assert resume is not None and len(resume) > len(first)
+    cold = lm.tokenizer.encode(PROMPTS[3])
+    batch = BatchSpeculator(lm)
+    got = {"cold": tokens(batch.join("cold", cold, SamplingParams(max_tokens=40)).events)}
+    got["warm"] = tokens(batch.join("warm", prompt, SamplingParams(max_tokens=40), resume,
+                                    cache.plan(len(prompt), (), len(resume))).events)
+    while batch:
+        for i, out in batch.step(3).items():
+            got[i] += tokens(out.events)
+    assert got["warm"] == plain_greedy(lm, prompt, 40)
+    assert got["cold"] == plain_greedy(lm, cold, 40)
+
+
+def test_shared_left_padding_is_dropped(bundled, monkeypatch):
+    """Rows that reject drafts pile up left padding; once every row has some it is cut, unchanged output."""
+    monkeypatch.setattr(batched, "COMPACT_AT", 2)
+    lm = bundled("dyno-tiny")
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS[:2]]
+    batch = BatchSpeculator(lm)
+    events, _ = drive(batch, 3, {0: [(i, p, SamplingParams(max_tokens=60)) for i, p in enumerate(prompts)]})
+    for i, p in enumerate(prompts):
+        assert tokens(events[i]) == plain_greedy(lm, p, 60)
+
+
+@pytest.mark.slow
+def test_rows_sampled_side_by_side_follow_the_model(tiny_lm):
+    """Chi-square per row against the exact distribution of its first three tokens, with the other
+    row sampling beside it (its own prompt, its own seed) in every round."""
+    lm = tiny_lm("tied-gqa2")
+    prompts = {"a": lm.tokenizer.encode("x = "), "b": lm.tokenizer.encode("def f(y):\n")}
+    joints = {i: exact_joint(lm, p) for i, p in prompts.items()}
+    n = 600
+    counts = {i: {} for i in prompts}
+    for seed in range(n):
+        rows = [(i, p, dataclasses.replace(PARAMS, seed=seed * 2 + j)) for j, (i, p) in enumerate(prompts.items())]
+        events, _ = drive(BatchSpeculator(lm), 2, {0: rows})
+        for i in prompts:
+            key = tuple(tokens(events[i]))
+            counts[i][key] = counts[i].get(key, 0) + 1
+    for i in prompts:
+        stat, dof = chi_square(counts[i], joints[i], n)
+        assert stat < chi2.isf(FALSE_ALARM, dof), (i, stat, dof)
