@@ -15,14 +15,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, dynamic_roll
 from mlx_lm.models.gated_delta import gated_delta_update
 
-from .cache import GDNTape
+from .rollback import GDNTape
 from .config import SamplingParams
-from .draft_vocab import draft_lm_head, greedy_token
+from .draft_vocab.head import draft_lm_head, greedy_token
 from .engine import PREFILL_STEP, Speculator
 from .errors import DynoError
 from .events import Provenance, Round, Token
 from .loader import LoadedModel
-from .prefix_cache import Resume, ShiftedKVCache
+from .prompt_cache.store import Resume, ShiftedKVCache
 from .sampling import log_softmax, warp
 from .verify import greedy_accept, lossless_accept
 

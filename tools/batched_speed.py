@@ -30,7 +30,7 @@ from speculative.config import SamplingParams, SpecConfig  # noqa: E402
 from speculative.engine import generate  # noqa: E402
 from speculative.events import Token  # noqa: E402
 from speculative.loader import load_model  # noqa: E402
-from speculative.suites import SUITES, encode  # noqa: E402
+from speculative.measure.suites import SUITES, encode  # noqa: E402
 
 
 def batched_drafting(lm, prompts, n, depth):

@@ -16,7 +16,7 @@ from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
 from speculative.events import Provenance, Round, Token
 from speculative.loader import load_model
-from speculative.prefix_cache import PrefixCache
+from speculative.prompt_cache.store import PrefixCache
 from speculative.stats import GenerationStats
 
 ROOT = Path(__file__).resolve().parents[2]
