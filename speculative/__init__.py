@@ -28,7 +28,7 @@ def load_model(path, mode: str = "auto", draft_depth="auto", draft_vocab="auto",
                **load_kw):
     """(LoadedModel, SpecConfig): `path` loaded and how it drafts settled, once.
 
-    The model and its head (loader.load_model; `load_kw`: mtp_head, mtp_base, head_bits), then the draft
+    The model and its head (loader.load_checkpoint; `load_kw`: mtp_head, mtp_base, head_bits), then the draft
     vocabulary (N, "auto" or None: draft_vocab.head.resolve), then the depth (N or "auto":
     measure.tuning.resolve_depth), as a SpecConfig for `generate`. `notify` receives the notices.
     `split` (a distributed.Member) loads this rank's part instead: its depth is the one given, else the
@@ -38,7 +38,7 @@ def load_model(path, mode: str = "auto", draft_depth="auto", draft_vocab="auto",
     # Imported here: they pull in MLX and mlx-lm, which settings and errors alone do not need.
     from .config import DEFAULT_DRAFT_DEPTH
     from .draft_vocab.head import resolve
-    from .loader import load_model as load
+    from .loader import load_checkpoint as load
     from .measure.tuning import resolve_depth, stored
 
     if split is not None:

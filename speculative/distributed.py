@@ -46,7 +46,7 @@ from . import engine
 from .config import SamplingParams, SpecConfig
 from .errors import DynoError, one_line
 from .events import Done
-from .loader import LoadedModel, load_model
+from .loader import LoadedModel, load_checkpoint
 
 STRATEGIES = ("pipeline", "tensor")
 STEP_TIMEOUT = 60.0  # seconds a rank waits at one step of a generation before it gives up on the others
@@ -203,14 +203,14 @@ def check_split(config: dict, strategy: str, n: int) -> None:
 def load_sharded(path, strategy: str, group=None, watchdog: Optional[Watchdog] = None,
                  step_timeout: float = STEP_TIMEOUT, **load_kw) -> LoadedModel:
     """Load `path` split across `group` (default: mx.distributed.init()) with its MTP head on every
-    rank; `load_kw` go to loader.load_model (mode, mtp_head, head_bits, notify, ...)."""
+    rank; `load_kw` go to loader.load_checkpoint (mode, mtp_head, head_bits, notify, ...)."""
     group = group or mx.distributed.init()
     config = Path(path).expanduser() / "config.json"
     try:
         check_split(json.loads(config.read_text()), strategy, group.size())
     except (OSError, ValueError):
-        pass  # load_model names what is wrong with the folder
-    lm = load_model(path, shard=shard(strategy, group), **load_kw)
+        pass  # load_checkpoint names what is wrong with the folder
+    lm = load_checkpoint(path, shard=shard(strategy, group), **load_kw)
     lm.ranks = Ranks(group, strategy, watchdog, step_timeout)
     return lm
 
@@ -230,7 +230,7 @@ class Member:
         self.leader = self.group.rank() == 0
 
     def load(self, path, **load_kw) -> LoadedModel:
-        """This rank's part of `path` (load_kw as for loader.load_model)."""
+        """This rank's part of `path` (load_kw as for loader.load_checkpoint)."""
         return load_sharded(path, self.strategy, self.group, watchdog=self.watchdog, **load_kw)
 
     def close(self) -> None:

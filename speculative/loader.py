@@ -70,10 +70,13 @@ def _read_json(path: Path, what: str) -> dict:
         raise DynoError(f"{what} {path} is not valid JSON: {e}") from None
 
 
-def load_model(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_base: Optional[str] = None,
+def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_base: Optional[str] = None,
                notify: Optional[Callable[[str], None]] = None, head_bits=None,
                shard: Optional[Callable[[nn.Module], None]] = None) -> LoadedModel:
     """Load `path` with mlx-lm; attach its MTP head unless mode is "off".
+
+    The plain loader; `speculative.load_model` is the public recipe (this, then the draft
+    vocabulary and depth, as a SpecConfig).
 
     `notify` receives notices while loading (e.g. before a head download, and the head's
     `MTP head: ...` memory line); they are also kept in `notices`. `head_bits` (16, 8, 4, or

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import tiny_models
 from helpers.tiny_models import CONFIGS
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ["DYNO_CACHE"] = tempfile.mkdtemp(prefix="dyno-test-cache-")  # never the user's cache
@@ -39,7 +39,7 @@ def tiny_lm(tiny_dir):
 
     def get(name="tied-gqa2", mode="auto"):
         if (name, mode) not in loaded:
-            loaded[(name, mode)] = load_model(tiny_dir(name), mode=mode)
+            loaded[(name, mode)] = load_checkpoint(tiny_dir(name), mode=mode)
         return loaded[(name, mode)]
 
     return get

@@ -71,7 +71,7 @@ def timed(lm, prompt, params, depth: int, cls) -> dict:
 
 
 def main() -> None:
-    from speculative.loader import load_model
+    from speculative.loader import load_checkpoint
     from speculative.measure.suites import SUITES, encode
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -88,7 +88,7 @@ def main() -> None:
 
     before = engine_at(args.before, "before").Speculator
     after = engine_at(args.after, "after").Speculator if args.after else engine.Speculator
-    lm = load_model(args.model, mode="mtp")
+    lm = load_checkpoint(args.model, mode="mtp")
     prompts = [encode(lm.tokenizer, item) for item in SUITES[args.suite]]
     params = (SamplingParams(max_tokens=args.max_tokens) if args.temp == 0 else
               SamplingParams(temperature=args.temp, top_p=0.95, top_k=20, max_tokens=args.max_tokens, seed=0))

@@ -34,9 +34,9 @@ def model_rows(path: str, text: str = "def fibonacci(n):\n    if n < 2:\n       
     """The model's logits for its next two tokens in one call against one call each."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from speculative.loader import load_model
+    from speculative.loader import load_checkpoint
 
-    lm = load_model(path)
+    lm = load_checkpoint(path)
     ids = lm.tokenizer.encode(text)
     together, alone = make_prompt_cache(lm.model), make_prompt_cache(lm.model)
     for cache in (together, alone):

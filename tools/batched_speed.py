@@ -29,7 +29,7 @@ from speculative.batched import BatchSpeculator  # noqa: E402
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
 from speculative.engine import generate  # noqa: E402
 from speculative.events import Token  # noqa: E402
-from speculative.loader import load_model  # noqa: E402
+from speculative.loader import load_checkpoint  # noqa: E402
 from speculative.measure.suites import SUITES, encode  # noqa: E402
 
 
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--serial-depth", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args()
-    lm = load_model(args.model)
+    lm = load_checkpoint(args.model)
     items = SUITES["code"] + SUITES["reasoning"]
     n = args.max_tokens
     print(f"MLX {mx.__version__}, {mx.default_device()}, {args.model}, {n} greedy tokens per row")

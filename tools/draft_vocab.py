@@ -47,7 +47,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative.draft_vocab import rank as vocab_rank  # noqa: E402
 from speculative.measure.cost_model import interleaved  # noqa: E402
 from speculative.draft_vocab.head import DraftLMHead, auto_size, lm_head_module, ranked_ids  # noqa: E402
-from speculative.loader import load_model  # noqa: E402
+from speculative.loader import load_checkpoint  # noqa: E402
 
 SIZES = (256, 512, 1024, 1536, 2048, 3072)
 
@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.projection_27b:
         return projection_27b()
-    lm = load_model(args.model, mode="mtp")
+    lm = load_checkpoint(args.model, mode="mtp")
     if args.ship:
         order, mass = vocab_rank.derive(lm.model, vocab_rank.seed_prompts(lm.tokenizer), lm.target.args.vocab_size,
                                         sorted(lm.eos_token_ids))

@@ -20,7 +20,7 @@ import mlx.core as mx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative.measure.bench import run_mlx_lm  # noqa: E402
 from speculative.config import SamplingParams  # noqa: E402
-from speculative.loader import load_model  # noqa: E402
+from speculative.loader import load_checkpoint  # noqa: E402
 from speculative.sampling import warp  # noqa: E402
 from speculative.measure.suites import SUITES, encode  # noqa: E402
 
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--temps", type=float, nargs="+", default=[0.6, 1.0])
     ap.add_argument("--max-tokens", type=int, default=200)
     args = ap.parse_args()
-    lm = load_model(args.model, mode="mtp")
+    lm = load_checkpoint(args.model, mode="mtp")
     print(f"{args.model} on {mx.default_device()}, MLX {mx.__version__}: position-1 acceptance, teacher-forced, "
           f"all suites, top-p 0.95, top-k 20")
     for temp in args.temps:

@@ -40,7 +40,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative.measure.cost_model import interleaved  # noqa: E402
-from speculative.loader import load_model  # noqa: E402
+from speculative.loader import load_checkpoint  # noqa: E402
 from speculative.heads.precision import HEAD_BITS, QWEN_27B, planned_bytes  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def main() -> None:
     if args.teacher_forced:
         return teacher_forced(args.model)
 
-    models = {bits: load_model(args.model, mode="mtp", head_bits=bits) for bits in HEAD_BITS}
+    models = {bits: load_checkpoint(args.model, mode="mtp", head_bits=bits) for bits in HEAD_BITS}
     lm = models[16]
     tokens = mx.array(lm.tokenizer.encode("def read_lines(path):\n    with open(path) as f:\n"))[None]
     hidden = lm.target.hidden(tokens, lm.target.make_cache())
@@ -127,7 +127,7 @@ def teacher_forced(model: str, max_tokens: int = 200) -> None:
     from speculative.config import SamplingParams
     from speculative.sampling import warp
 
-    models = {bits: load_model(model, mode="mtp", head_bits=bits) for bits in HEAD_BITS}
+    models = {bits: load_checkpoint(model, mode="mtp", head_bits=bits) for bits in HEAD_BITS}
     lm = models[16]
     print(f"{model} on {mx.default_device()}, MLX {mx.__version__}: position-1 acceptance, teacher-forced, "
           f"code suite")

@@ -232,7 +232,7 @@ def profile_depth(lm, prompts: List[List[int]], depth: int, params: SamplingPara
 
 
 def main() -> None:
-    from speculative.loader import load_model
+    from speculative.loader import load_checkpoint
     from speculative.measure.suites import SUITES, encode
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -245,7 +245,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
 
-    lm = load_model(args.model, mode="mtp")
+    lm = load_checkpoint(args.model, mode="mtp")
     prompts = [encode(lm.tokenizer, item) for item in SUITES[args.suite]]
     params = (SamplingParams(max_tokens=args.max_tokens) if args.temp == 0 else
               SamplingParams(temperature=args.temp, top_p=0.95, top_k=20, max_tokens=args.max_tokens, seed=0))

@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative import target as target_mod  # noqa: E402
 from speculative.rollback import restore, snapshot  # noqa: E402
 from speculative.measure.cost_model import interleaved  # noqa: E402
-from speculative.loader import load_model  # noqa: E402
+from speculative.loader import load_checkpoint  # noqa: E402
 from speculative.target import Target  # noqa: E402
 
 REAL_RECURRENCE = target_mod._recurrence_with_states
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=40)
     args = ap.parse_args()
 
-    lm = load_model(args.model)
+    lm = load_checkpoint(args.model)
     target = lm.target
     gdn = next(layer.linear_attn for layer in target.body.layers if layer.is_linear)
     others = [type(m).__name__ for _, m in lm.model.named_modules() if "Quantized" in type(m).__name__

@@ -69,7 +69,7 @@ def pieces(lm, prompt, k: int, reps: int) -> dict:
 
 
 def main() -> None:
-    from speculative.loader import load_model
+    from speculative.loader import load_checkpoint
     from speculative.measure.suites import SUITES, encode
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
-    lm = load_model(args.model, mode="mtp")
+    lm = load_checkpoint(args.model, mode="mtp")
     prompt = encode(lm.tokenizer, SUITES["code"][0])
     out = {"model": args.model, "device": str(mx.default_device()), "mlx": mx.__version__, "depths": []}
     print(f"{args.model}, {mx.default_device()}, MLX {mx.__version__}; ms per call (median of {args.reps})")

@@ -18,7 +18,7 @@ from dyno_ui.paths import BUNDLED_MODEL
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.events import Round, Token
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 from speculative.heads.mtp import build_head, read_checkpoint_head
 from speculative.heads.tensors import read_header, read_tensors
 
@@ -63,7 +63,7 @@ def close(got, want):
 def test_golden_trunk_and_head(name):
     folder = BUNDLED_MODEL.parent / name
     golden = read_golden(folder)
-    lm = load_model(folder, mode="mtp")
+    lm = load_checkpoint(folder, mode="mtp")
     fp32_trunk(lm, folder)
     raw = read_checkpoint_head(folder)  # the head from fp32 tensors too (its +1 then stays in fp32)
     lm.head = build_head(lm.target.args, replace(raw, tensors={k: v.astype(mx.float32) for k, v in raw.tensors.items()}))
@@ -97,7 +97,7 @@ FLOORS = {"dyno-tiny": (0.65, 2.1), "dyno-tiny-moe": (0.55, 2.0)}
 def test_heldout_acceptance_floor(name):
     """Greedy at depth 3 on held-out stdlib code: the trained head must keep drafting well, and the
     output must stay mlx-lm's own greedy output."""
-    lm = load_model(BUNDLED_MODEL.parent / name, mode="mtp")
+    lm = load_checkpoint(BUNDLED_MODEL.parent / name, mode="mtp")
     source = inspect.getsource(heldout_module)
     prompt = lm.tokenizer.encode(source[:1500])
     events = list(generate(lm, prompt, SamplingParams(max_tokens=200), SpecConfig("mtp", 3)))
@@ -128,7 +128,7 @@ def test_mlx_conversion_gets_its_head_back_from_the_hub(tmp_path):
                          for n, e in read_header(shard).items() if n.startswith("mtp."))
         assert hub.body_bytes("dyno-project/dyno-tiny", ".safetensors") < head_bytes + 64 * 1024
     out = json.loads(r.stdout)
-    lm = load_model(BUNDLED_MLX, mode="off")
+    lm = load_checkpoint(BUNDLED_MLX, mode="off")
     assert out["tokens"] == plain_greedy(lm, lm.tokenizer.encode(PROMPT), 60)
     spec = out["speculative"]
     assert spec["mode"] == "mtp" and spec["accepted_tokens"] >= 0.4 * spec["draft_tokens"] > 0, spec
@@ -145,6 +145,6 @@ def test_generate_defaults_to_the_bundled_model(tmp_path):
     assert len(line) == 1, r.stderr
     accepted, drafted = map(int, re.search(r"(\d+)/(\d+) drafts accepted", line[0]).groups())
     assert accepted >= 0.4 * drafted > 0, line[0]  # 26/46 here
-    lm = load_model(BUNDLED_MODEL, mode="off")
+    lm = load_checkpoint(BUNDLED_MODEL, mode="off")
     out = json.loads(r.stdout)
     assert out["tokens"] == plain_greedy(lm, lm.tokenizer.encode("def read_config(path):\n"), 48)

@@ -12,7 +12,7 @@ from helpers import tiny_models
 from helpers.reference import plain_greedy
 from dyno_ui.cli.generate import sampling_from
 from dyno_ui.paths import BUNDLED_MODEL
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -114,7 +114,7 @@ def test_generate_with_an_automatic_draft_vocabulary_is_plain_greedy():
     for r in runs.values():
         assert r.returncode == 0, r.stderr
     out = {v: json.loads(r.stdout) for v, r in runs.items()}
-    lm = load_model(BUNDLED_MODEL)
+    lm = load_checkpoint(BUNDLED_MODEL)
     assert out["auto"]["tokens"] == plain_greedy(lm, lm.tokenizer.encode(prompt), 40) == out["full"]["tokens"]
     # the bundled model ships its ranking: auto is a subset from the first run, the default, and no notice
     assert out["auto"]["speculative"]["draft_vocab"] == out[None]["speculative"]["draft_vocab"] == 1792
@@ -152,7 +152,7 @@ def test_generate_split_across_two_ranks_is_one_process_greedy():
                       "--temp", "0", "--draft-depth", "2", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
-    lm = load_model(BUNDLED_MODEL, mode="off")
+    lm = load_checkpoint(BUNDLED_MODEL, mode="off")
     assert out["tokens"] == plain_greedy(lm, lm.tokenizer.encode(prompt), 40)
     spec = out["speculative"]
     assert spec["mode"] == "mtp" and spec["draft_depth"] == 2 and spec["accepted_tokens"] > 0, spec

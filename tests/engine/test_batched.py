@@ -15,7 +15,7 @@ from speculative.batched import BatchSpeculator
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
 from speculative.events import Provenance, Round, Token
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 from speculative.prompt_cache.store import PrefixCache
 from speculative.stats import GenerationStats
 
@@ -37,7 +37,7 @@ def bundled():
 
     def get(name):
         if name not in loaded:
-            loaded[name] = load_model(ROOT / "assets" / name)
+            loaded[name] = load_checkpoint(ROOT / "assets" / name)
         return loaded[name]
 
     return get

@@ -24,7 +24,7 @@ from speculative.constraints import (
 from speculative.engine import Speculator, generate
 from speculative.errors import DynoError
 from speculative.events import Round, Token
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 from speculative.processors import processors_for
 
 PERSON = {  # bounded strings and arrays: a random model finishes it in ~200 tokens
@@ -49,7 +49,7 @@ TOOLS = (
 
 @pytest.fixture(scope="module")
 def bundled():
-    return load_model(BUNDLED_MODEL)
+    return load_checkpoint(BUNDLED_MODEL)
 
 
 def reference_mask(constraint, generated, logits):

@@ -8,7 +8,7 @@ import pytest
 from helpers.serving import running_server
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 from speculative.events import Round, Token
 from speculative.stats import GenerationStats
 from dyno_ui.paths import BUNDLED_MODEL
@@ -28,7 +28,7 @@ def check_invariants(stats: GenerationStats):
 @pytest.fixture(scope="module")
 def bundled():
     """The bundled dyno-tiny: its trained head accepts several drafts a round."""
-    return load_model(BUNDLED_MODEL)
+    return load_checkpoint(BUNDLED_MODEL)
 
 
 def test_a_round_cut_by_max_tokens_counts_only_delivered_drafts(bundled):

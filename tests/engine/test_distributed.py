@@ -28,7 +28,7 @@ from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.errors import DynoError
 from speculative.events import Token
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,7 +146,7 @@ def test_sampled_equals_one_process_with_the_same_seed(launched, models, strateg
     order, ~1e-5 here), so there equality also says no draw of this seed fell within that rounding
     of a boundary, which holds on this platform (MLX CPU) and is what a user sees."""
     result = launched[f"dense-{strategy}"]
-    lm = load_model(models["dense"], mode="mtp")
+    lm = load_checkpoint(models["dense"], mode="mtp")
     params = SamplingParams(max_tokens=TOKENS, **SAMPLED)
     one = [e.id for e in generate(lm, result["prompt"], params, SpecConfig("mtp", 3)) if isinstance(e, Token)]
     assert result["sampled"][0]["tokens"] == one

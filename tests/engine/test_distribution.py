@@ -18,7 +18,7 @@ from helpers.distribution import (FALSE_ALARM, chi_square, exact_joint, mlx_lm_p
                                   sample_tokens, target_dist, trunk_logits)
 from speculative.config import SamplingParams
 from speculative.engine import Speculator
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 from speculative.sampling import warp
 
 pytestmark = pytest.mark.slow
@@ -175,7 +175,7 @@ def low_precision_lm(tiny_dir, tmp_path_factory):
     """A bf16 tied-gqa2 checkpoint, and its 4-bit (group 32) conversion with the head beside it."""
     source = tiny_dir("tied-gqa2", dtype=mx.bfloat16, logit_scale=3.0)
     model, head = tiny_models.quantized(source, tmp_path_factory.mktemp("q4"))
-    models = {"bf16": load_model(source), "q4": load_model(model, mode="mtp", mtp_head=str(head))}
+    models = {"bf16": load_checkpoint(source), "q4": load_checkpoint(model, mode="mtp", mtp_head=str(head))}
     return models.__getitem__
 
 

@@ -92,11 +92,11 @@ def test_auto_takes_the_tokens_carrying_nine_tenths_of_the_mass_in_steps_of_256(
 
 def test_auto_on_the_bundled_model_comes_from_its_shipped_ranking_deterministically():
     from dyno_ui.paths import BUNDLED_MODEL
-    from speculative.loader import load_model
+    from speculative.loader import load_checkpoint
 
     picks = []
     for _ in range(2):
-        lm = load_model(BUNDLED_MODEL)
+        lm = load_checkpoint(BUNDLED_MODEL)
         notices = []
         picks.append(resolve(lm, AUTO, notices.append))
         assert notices == [] and vocab_rank.ranking(lm).source == str(BUNDLED_MODEL / vocab_rank.FILE)
@@ -107,9 +107,9 @@ def test_auto_on_the_bundled_model_comes_from_its_shipped_ranking_deterministica
 
 
 def test_auto_keeps_a_small_vocabulary_whole_without_ranking_it(tiny_dir):
-    from speculative.loader import load_model
+    from speculative.loader import load_checkpoint
 
-    lm = load_model(tiny_dir())
+    lm = load_checkpoint(tiny_dir())
     assert lm.target.args.vocab_size < AUTO_MIN_VOCAB
     assert resolve(lm, AUTO, lambda m: pytest.fail(m)) is None and draft_lm_head(lm, AUTO) == lm.target.lm_head
     assert lm.target not in vocab_rank._ranked and resolve(lm, 50) == 50
@@ -117,10 +117,10 @@ def test_auto_keeps_a_small_vocabulary_whole_without_ranking_it(tiny_dir):
 
 def test_the_bundled_model_drafts_exactly_and_well_from_its_auto_vocabulary():
     from dyno_ui.paths import BUNDLED_MODEL
-    from speculative.loader import load_model
+    from speculative.loader import load_checkpoint
     from speculative.stats import GenerationStats
 
-    lm = load_model(BUNDLED_MODEL)
+    lm = load_checkpoint(BUNDLED_MODEL)
     prompt = lm.tokenizer.encode('def read_config(path):\n    """Read the config file at path."""\n')
     accepted = {}
     for size in (None, AUTO, 512):

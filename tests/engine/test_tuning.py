@@ -62,10 +62,10 @@ def test_estimate_weighs_depths_by_the_heads_measured_acceptance(monkeypatch, tm
     head's own acceptance from a short greedy run: per position, the share of rounds that kept a draft
     there, here replayed by hand from the drafts and plain greedy; the depth is best_by_cost on it."""
     from dyno_ui.paths import BUNDLED_MODEL
-    from speculative.loader import load_model
+    from speculative.loader import load_checkpoint
     from speculative.measure.tuning import ESTIMATE_PROMPT, PRIOR_DECAY, PRIOR_FIRST, resolve_depth
 
-    lm = load_model(BUNDLED_MODEL, mode="mtp")
+    lm = load_checkpoint(BUNDLED_MODEL, mode="mtp")
     monkeypatch.setenv("DYNO_CACHE", str(tmp_path))
     drafts = record_drafts(monkeypatch)
     depth = resolve_depth(lm, "auto")

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 
 from helpers import tiny_models
 from speculative.errors import DynoError
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 from speculative.heads.mtp import read_checkpoint_head, read_head_folder, write_head_folder
 from speculative.heads.tensors import read_header, read_tensors
 
@@ -46,7 +46,7 @@ def test_head_folder_roundtrip_is_not_shifted_again(tiny_dir, tiny_lm, tmp_path)
     assert config["format"] == "dyno-mtp-head" and config["norms_shifted"] is True
     again = read_head_folder(folder)
     assert again.norms_shifted is True
-    lm = load_model(tiny_dir(), mtp_head=str(folder))
+    lm = load_checkpoint(tiny_dir(), mtp_head=str(folder))
     assert lm.head_source == str(folder)
     expected = loaded_head_params(tiny_lm())
     for name, value in loaded_head_params(lm).items():
@@ -63,7 +63,7 @@ def test_mlx_checkpoint_that_kept_its_head(tiny_dir, tiny_lm, tmp_path):
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     head = read_checkpoint_head(out)
     assert head.norms_shifted is True  # provenance: conv1d already in MLX layout
-    reloaded = load_model(out)
+    reloaded = load_checkpoint(out)
     expected = loaded_head_params(lm)
     for name, value in loaded_head_params(reloaded).items():
         np.testing.assert_array_equal(value, expected[name], err_msg=name)
@@ -74,12 +74,12 @@ def test_wrong_shapes_rejected(tiny_dir, tmp_path):
     folder = write_head_folder(tmp_path / "head", read_checkpoint_head(other),
                                tiny_models.text_config(hidden_size=96))
     with pytest.raises(DynoError) as e:
-        load_model(tiny_dir(), mode="mtp", mtp_head=str(folder))
+        load_checkpoint(tiny_dir(), mode="mtp", mtp_head=str(folder))
     assert e.value.message == (
         f"MTP head in {folder} does not fit this model: mtp.fc.weight has shape [96, 192], "
         f"the model needs [64, 128]"
     )
-    lm = load_model(tiny_dir(), mode="auto", mtp_head=str(folder))  # auto: notice, plain decoding
+    lm = load_checkpoint(tiny_dir(), mode="auto", mtp_head=str(folder))  # auto: notice, plain decoding
     assert lm.head is None
     assert lm.notices == [f"dyno: decoding without drafts: {e.value.message}"]
 
@@ -89,7 +89,7 @@ def test_head_folder_missing_tensor(tiny_dir, tmp_path):
     del head.tensors["layers.0.mlp.down_proj.weight"]
     folder = write_head_folder(tmp_path / "head", head, tiny_models.text_config())
     with pytest.raises(DynoError) as e:
-        load_model(tiny_dir(), mode="mtp", mtp_head=str(folder))
+        load_checkpoint(tiny_dir(), mode="mtp", mtp_head=str(folder))
     assert e.value.message == (
         f"MTP head in {folder} is missing tensors: mtp.layers.0.mlp.down_proj.weight"
     )

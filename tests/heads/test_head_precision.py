@@ -22,7 +22,7 @@ from helpers.run import python
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
 from speculative.events import Round, Token
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 from speculative.heads.mtp import MTPHead
 from speculative.heads.precision import (HEAD_BITS, QWEN_27B, HeadMemory, default_head_bits, module_bytes,
                                    planned_bytes, quantize_head)
@@ -66,11 +66,11 @@ def test_bytes_arithmetic_matches_a_head_built_with_those_shapes(name, config):
 def test_report_line():
     line = HeadMemory(451_267_584, 8, "bfloat16", 64, "Qwen/Qwen3.8-27B@0123abcd").line()
     assert line == "MTP head: 0.45 GB, 8-bit, from Qwen/Qwen3.8-27B@0123abcd"
-    lm = load_model(BUNDLED, head_bits="8")
+    lm = load_checkpoint(BUNDLED, head_bits="8")
     assert lm.notices == [f"MTP head: 0.5 MB, 8-bit, from {BUNDLED}"]
     assert lm.head_memory.as_json() == {"bytes": 537_472, "bits": 8, "precision": "8-bit", "group_size": 64,
                                         "source": str(BUNDLED)}
-    assert load_model(BUNDLED).head_memory.line() == f"MTP head: 1.0 MB, bfloat16, from {BUNDLED}"
+    assert load_checkpoint(BUNDLED).head_memory.line() == f"MTP head: 1.0 MB, bfloat16, from {BUNDLED}"
 
 
 @pytest.mark.parametrize("argv", [
@@ -119,7 +119,7 @@ def repos(tmp_path_factory):
     conversion = root / "conversion"
     convert(hf_path=str(original), mlx_path=str(conversion))
     (conversion / "README.md").write_text(f"---\nbase_model: {REPO}\n---\n")
-    reference = {b: params(load_model(original, mode="mtp", head_bits=b).head) for b in HEAD_BITS}
+    reference = {b: params(load_checkpoint(original, mode="mtp", head_bits=b).head) for b in HEAD_BITS}
     return original, conversion, reference
 
 
@@ -127,13 +127,13 @@ def test_which_layers_are_quantized():
     """Linear layers only; never norms; a MoE head's experts, router and shared-expert gate stay float."""
     kinds = lambda lm: {p: type(m).__name__ for p, m in lm.head.named_modules()  # noqa: E731
                         if p.startswith("fc") or ("proj" in p or "gate" in p or "norm" in p) and "." in p}
-    dense = kinds(load_model(BUNDLED, head_bits=4))
+    dense = kinds(load_checkpoint(BUNDLED, head_bits=4))
     assert {p for p, k in dense.items() if k == "QuantizedLinear"} == {
         "fc", "layers.0.mlp.down_proj", "layers.0.mlp.gate_proj", "layers.0.mlp.up_proj",
         "layers.0.self_attn.k_proj", "layers.0.self_attn.o_proj", "layers.0.self_attn.q_proj",
         "layers.0.self_attn.v_proj"}
     assert {k for p, k in dense.items() if "norm" in p} == {"RMSNorm"}
-    moe = kinds(load_model(ROOT / "assets" / "dyno-tiny-moe", head_bits=4))
+    moe = kinds(load_checkpoint(ROOT / "assets" / "dyno-tiny-moe", head_bits=4))
     assert {p for p, k in moe.items() if k == "QuantizedLinear"} == {
         "fc", "layers.0.self_attn.k_proj", "layers.0.self_attn.o_proj", "layers.0.self_attn.q_proj",
         "layers.0.self_attn.v_proj", "layers.0.mlp.shared_expert.gate_proj", "layers.0.mlp.shared_expert.up_proj",
@@ -145,7 +145,7 @@ def test_which_layers_are_quantized():
 def test_checkpoint_at_each_precision(repos):
     original, _, reference = repos
     for bits in HEAD_BITS:  # loaded again: the same head, bit for bit (quantizing is deterministic)
-        check(load_model(original, mode="mtp", head_bits=bits), bits, reference)
+        check(load_checkpoint(original, mode="mtp", head_bits=bits), bits, reference)
 
 
 def test_hf_cache_and_dyno_cache_at_each_precision(repos, tmp_path, monkeypatch):
@@ -160,14 +160,14 @@ def test_hf_cache_and_dyno_cache_at_each_precision(repos, tmp_path, monkeypatch)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for bits in HEAD_BITS:  # extraction, each into a fresh Dyno cache
         monkeypatch.setenv("DYNO_CACHE", str(tmp_path / f"dyno-{bits}"))
-        lm = load_model(conversion, mode="mtp", head_bits=bits)
+        lm = load_checkpoint(conversion, mode="mtp", head_bits=bits)
         folder = tmp_path / f"dyno-{bits}" / "mtp" / REPO.replace("/", "--")
         assert json.loads((folder / "config.json").read_text())["source"]["via"] == "hf-cache"
         check(lm, bits, reference)
         cache_is_float(folder)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))  # only the Dyno cache is left
     for bits in HEAD_BITS:
-        lm = load_model(conversion, mode="mtp", head_bits=bits)
+        lm = load_checkpoint(conversion, mode="mtp", head_bits=bits)
         assert lm.head_source == str(tmp_path / "dyno-4" / "mtp" / REPO.replace("/", "--"))
         check(lm, bits, reference)
 
@@ -176,11 +176,11 @@ DOWNLOAD = """
 import json, os, sys
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 out = sys.argv[2]
 for bits in (16, 8, 4):
     os.environ["DYNO_CACHE"] = os.path.join(out, f"dyno-{bits}")  # a fresh cache: download again
-    lm = load_model(sys.argv[1], mode="mtp", head_bits=bits)
+    lm = load_checkpoint(sys.argv[1], mode="mtp", head_bits=bits)
     mx.save_safetensors(os.path.join(out, f"{bits}.safetensors"), dict(tree_flatten(lm.head.parameters())))
     print(json.dumps({"bits": bits, "memory": lm.head_memory.as_json(), "notices": lm.notices}))
 """
@@ -209,7 +209,7 @@ def test_download_at_each_precision(repos, tmp_path):
 
 @pytest.fixture(scope="module")
 def bundled_4bit():
-    return load_model(BUNDLED, mode="mtp", head_bits=4)
+    return load_checkpoint(BUNDLED, mode="mtp", head_bits=4)
 
 
 def test_greedy_equality_with_a_quantized_head(bundled_4bit):

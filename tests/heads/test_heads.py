@@ -13,7 +13,7 @@ from helpers.reference import plain_greedy
 from helpers.fake_hub import FakeHub
 from helpers import run
 from speculative.heads.find import PROMISE
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 from speculative.heads.tensors import read_header
 
 pytestmark = pytest.mark.e2e
@@ -83,7 +83,7 @@ def test_download_fetches_only_the_head_then_works_offline(repos, hub, env, tmp_
     assert r.returncode == 0, r.stderr
     assert "dyno: fetching the MTP head of org/original" in r.stderr and PROMISE in r.stderr
     out = json.loads(r.stdout)
-    lm = load_model(repos["conversion"], mode="off")
+    lm = load_checkpoint(repos["conversion"], mode="off")
     assert out["tokens"] == plain_greedy(lm, lm.tokenizer.encode(PROMPT), 40)
     assert out["speculative"]["mode"] == "mtp"
     # Bytes of safetensors bodies: the head's ranges plus two small header reads per shard.
@@ -192,7 +192,7 @@ def test_partial_hf_cache_falls_back_to_download(repos, hub, env, tmp_path, miss
     assert r.returncode == 0, r.stderr
     assert "dyno: fetching the MTP head of org/original" in r.stderr
     out = json.loads(r.stdout)
-    lm = load_model(repos["conversion"], mode="off")
+    lm = load_checkpoint(repos["conversion"], mode="off")
     assert out["tokens"] == plain_greedy(lm, lm.tokenizer.encode(PROMPT), 40)
     assert out["speculative"]["mode"] == "mtp"
     config = json.loads((tmp_path / "dyno" / "mtp" / "org--original" / "config.json").read_text())

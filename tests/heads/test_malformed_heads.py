@@ -13,7 +13,7 @@ from helpers import tiny_models
 from helpers.run import dyno
 from speculative.errors import DynoError
 from speculative.heads.find import cached_head_path
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 from speculative.heads.mtp import read_checkpoint_head, write_head_folder
 
 NOTICE = "dyno: decoding without drafts: "
@@ -25,9 +25,9 @@ WEIGHTS = "mtp.safetensors"
 def assert_refused(model, message, **kwargs):
     """`mtp` raises exactly `message`; `auto` loads the model without a head and says so once."""
     with pytest.raises(DynoError) as e:
-        load_model(model, mode="mtp", **kwargs)
+        load_checkpoint(model, mode="mtp", **kwargs)
     assert e.value.message == message
-    lm = load_model(model, mode="auto", **kwargs)
+    lm = load_checkpoint(model, mode="auto", **kwargs)
     assert lm.head is None and lm.target is not None
     assert lm.notices == [NOTICE + message]
 
@@ -239,13 +239,13 @@ def test_broken_cached_head_names_the_fix(tiny_dir, headless, tmp_path, monkeypa
     monkeypatch.setenv("DYNO_CACHE", str(tmp_path / "dyno"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cached = head_folder(tiny_dir(), cached_head_path("org/original"))
-    assert load_model(headless, mode="mtp").head is not None
+    assert load_checkpoint(headless, mode="mtp").head is not None
     (cached / WEIGHTS).write_bytes((cached / WEIGHTS).read_bytes()[:4])
     assert_refused(headless, f"safetensors file {cached / WEIGHTS} is truncated or not a safetensors file "
                              f"(4 bytes); delete {cached} to fetch the head again")
     shutil.rmtree(cached)  # the advice: now it is looked for (and here, offline, not found) afresh
     with pytest.raises(DynoError, match="HF_HUB_OFFLINE=1 prevents downloading it"):
-        load_model(headless, mode="mtp")
+        load_checkpoint(headless, mode="mtp")
 
 
 def test_head_list_shows_a_broken_cached_head(tiny_dir, tmp_path, monkeypatch, capsys):

@@ -6,7 +6,7 @@ from mlx.utils import tree_flatten
 
 from helpers import tiny_models
 from speculative.errors import DynoError
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 from speculative.heads.mtp import read_checkpoint_head, write_head_folder
 
 
@@ -35,7 +35,7 @@ def test_moe_head_norms_shifted_once(tiny_dir, tiny_lm):
 def test_dense_head_on_moe_trunk_refused(tiny_dir, tmp_path):
     dense = write_head_folder(tmp_path / "dense", read_checkpoint_head(tiny_dir()), tiny_models.text_config())
     with pytest.raises(DynoError) as e:
-        load_model(tiny_dir("moe-fused"), mode="mtp", mtp_head=str(dense))
+        load_checkpoint(tiny_dir("moe-fused"), mode="mtp", mtp_head=str(dense))
     assert e.value.message == (f"MTP head in {dense} does not fit this model: the model is a "
                                f"mixture-of-experts model but the head is a dense head")
 
@@ -44,7 +44,7 @@ def test_wrong_expert_count_refused(tiny_dir, tmp_path):
     other = tiny_models.build(tmp_path / "e8", seed=7, moe=True, num_experts=8)
     folder = write_head_folder(tmp_path / "head", read_checkpoint_head(other), {})
     with pytest.raises(DynoError) as e:
-        load_model(tiny_dir("moe-fused"), mode="mtp", mtp_head=str(folder))
+        load_checkpoint(tiny_dir("moe-fused"), mode="mtp", mtp_head=str(folder))
     assert e.value.message == (f"MTP head in {folder} does not fit this model: mtp.layers.0.mlp.gate.weight "
                                f"has shape [8, 64], the model needs [4, 64]")
 
@@ -61,7 +61,7 @@ def test_bf16_experts_run_where_the_backend_has_no_bf16_kernel(tmp_path):
     from speculative.events import Token
 
     folder = tiny_models.build(tmp_path / "moe", seed=7, moe=True, dtype=mx.bfloat16)
-    lm = load_model(folder, mode="mtp")
+    lm = load_checkpoint(folder, mode="mtp")
     widened = not gather_mm_supports(mx.bfloat16)
     note = "dyno: MLX on this device has no bfloat16 kernel for MoE experts; running them in float32"
     assert (note in lm.notices) == widened

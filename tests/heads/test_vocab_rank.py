@@ -11,7 +11,7 @@ import pytest
 from speculative.draft_vocab import rank as vocab_rank
 from speculative.errors import DynoError
 from speculative.heads.find import cached_head_path
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 from speculative.heads.mtp import read_checkpoint_head, write_head_folder
 
 VOCAB = 320  # helpers.tiny_models.VOCAB
@@ -32,7 +32,7 @@ def fast(monkeypatch):
 
 def fresh(folder, **kw):
     """A newly loaded model: its ranking is looked up again, not taken from another test's memory."""
-    return load_model(folder, **kw)
+    return load_checkpoint(folder, **kw)
 
 
 def test_a_ranking_round_trips(tmp_path):

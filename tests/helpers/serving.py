@@ -16,7 +16,7 @@ from dyno_ui.server.run import listen
 from dyno_ui.server.app import create_app
 from dyno_ui.runtime.worker import EngineWorker
 from speculative.config import SpecConfig
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 
 MODEL_ID = "tiny"
 
@@ -62,7 +62,7 @@ def running_server(model_dir, spec: SpecConfig = SpecConfig(), decode_concurrenc
     """A started server for the checkpoint in `model_dir`, with `options`' key, origins and model names;
     stopped (thread joined) on exit."""
     mode = "off" if decode_concurrency > 1 else spec.mode
-    worker = EngineWorker(lambda: (load_model(model_dir, mode=mode), spec), decode_concurrency=decode_concurrency)
+    worker = EngineWorker(lambda: (load_checkpoint(model_dir, mode=mode), spec), decode_concurrency=decode_concurrency)
     lm = worker.start()
     served = ServedModel(id=MODEL_ID, lm=lm, worker=worker, default_max_tokens=64, created=0,
                          names=options.served_model_names)

@@ -52,9 +52,9 @@ def url(model_dir):
     from dyno_ui.server.run import make_app
     from dyno_ui.runtime.worker import EngineWorker
     from speculative.config import SpecConfig
-    from speculative.loader import load_model
+    from speculative.loader import load_checkpoint
 
-    worker = EngineWorker(lambda: (load_model(model_dir), SpecConfig("auto", 3)))
+    worker = EngineWorker(lambda: (load_checkpoint(model_dir), SpecConfig("auto", 3)))
     lm = worker.start()
     served = ServedModel(id=lm.path.name, lm=lm, worker=worker, default_max_tokens=48, created=0)
     with serving_in_thread(make_app(served, ui_front=True), lifespan="on", start_timeout=60) as url:

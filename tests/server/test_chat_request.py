@@ -16,7 +16,7 @@ from dyno_ui.server.openai import convert as openai_convert
 from dyno_ui.server.openai import schema as openai_api
 from speculative.constraints import JsonSchema, constraint_for, tool_call_schema
 from speculative.errors import DynoError
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
            "required": ["city"], "additionalProperties": False}
@@ -66,7 +66,7 @@ def from_anthropic(**changes) -> ChatRequest:
 
 @pytest.fixture(scope="module")
 def served():
-    lm = load_model(BUNDLED_MODEL)
+    lm = load_checkpoint(BUNDLED_MODEL)
     return ServedModel("dyno-tiny", lm, worker=None, default_max_tokens=64, created=0)
 
 

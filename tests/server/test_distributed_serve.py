@@ -17,7 +17,7 @@ from dyno_ui.paths import BUNDLED_MODEL
 from helpers.reference import plain_greedy
 from helpers.run import LAUNCH, ROOT, free_ports
 from helpers.serving import detokenize
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 PROMPT = "def read_config(path):\n"
@@ -45,7 +45,7 @@ def group():
 def test_split_server_answers_greedy_and_halts_every_rank_on_a_stop(group):
     proc, url = group
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    lm = load_model(BUNDLED_MODEL, mode="off")
+    lm = load_checkpoint(BUNDLED_MODEL, mode="off")
     want = detokenize(lm, plain_greedy(lm, lm.tokenizer.encode(PROMPT), 40))
     first = client.completions.create(model="dyno-tiny", prompt=PROMPT, max_tokens=40, temperature=0)
     assert first.choices[0].text == want and first.choices[0].finish_reason == "length"

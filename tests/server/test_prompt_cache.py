@@ -18,7 +18,7 @@ from helpers.reference import plain_greedy
 from helpers.serving import MODEL_ID, Running, detokenize, running_server, serving_in_thread, split_think
 from helpers.tiny_models import with_chat_template
 from speculative.config import SpecConfig
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +39,7 @@ ASKS = ["A function that reverses a list.", "Now one that sorts it.", "And one t
 def server_with(model_dir, folder=None, decode_concurrency=1, memory=None):
     """A server whose prompt cache has `memory` bytes (None: the default) and the disk tier `folder`."""
     mode = "off" if decode_concurrency > 1 else "auto"
-    worker = EngineWorker(lambda: (load_model(model_dir, mode=mode), SpecConfig(mode, 3)),
+    worker = EngineWorker(lambda: (load_checkpoint(model_dir, mode=mode), SpecConfig(mode, 3)),
                           decode_concurrency=decode_concurrency, prompt_cache_bytes=memory, prompt_cache_dir=folder)
     lm = worker.start()
     served = ServedModel(id=MODEL_ID, lm=lm, worker=worker, default_max_tokens=64, created=0)

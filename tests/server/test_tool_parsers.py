@@ -13,16 +13,16 @@ from dyno_ui.runtime.outputs import TextDelta, ToolCallDelta
 from dyno_ui.runtime.parsers import ToolCallStream, tool_call_format
 from dyno_ui.runtime.textstream import TextAssembler
 from helpers.tool_models import XML_TEMPLATE, XML_TOOLS, with_template
-from speculative.loader import load_model
+from speculative.loader import load_checkpoint
 
 @pytest.fixture(scope="module")
 def bundled():
-    return load_model(BUNDLED_MODEL, mode="off")
+    return load_checkpoint(BUNDLED_MODEL, mode="off")
 
 
 @pytest.fixture(scope="module")
 def xml_lm(tiny_dir, tmp_path_factory):
-    return load_model(with_template(tiny_dir(), XML_TEMPLATE, tmp_path_factory.mktemp("xml") / "m"), mode="off")
+    return load_checkpoint(with_template(tiny_dir(), XML_TEMPLATE, tmp_path_factory.mktemp("xml") / "m"), mode="off")
 
 
 def assemble(lm, text, tools=None, parallel=True, initial="normal", stops=()):
