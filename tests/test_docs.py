@@ -220,6 +220,14 @@ def test_every_readme_command_is_run_here():
     assert len(SERVE) == 1, "the README's curl examples call its one `dyno serve`"
 
 
+def readme_json_keys() -> dict:
+    """The keys the README's `--json` bullet lists: {"": top-level keys, "speculative": ..., "timing": ...}."""
+    bullet = re.search(r"^- `--json` prints one object:(.*?)(?=^- |^#)", README.read_text(), re.M | re.S).group(1)
+    nested = {name: set(re.findall(r"`(\w+)`", inner)) for name, inner in re.findall(r"`(\w+)` \{([^}]*)\}", bullet)}
+    top = re.sub(r"\{[^}]*\}|\([^)]*\)", "", bullet.split("How drafts are counted")[0])
+    return {"": set(re.findall(r"`(\w+)`", top)), **nested}
+
+
 def check_generate(args, r):
     assert r.stdout.strip()
     assert re.match(r"MTP: \d+ tokens in \d+ rounds \([\d.]+ per round\), \d+/\d+ drafts accepted$",
@@ -233,6 +241,11 @@ def check_generate(args, r):
         assert {"prefill_s", "decode_s", "decode_tokens_per_s"} <= set(out["timing"])
         assert len(out["tokens"]) == len(out["provenance"]) and set(out["provenance"]) <= {"draft", "model"}
         assert out["provenance"].count("draft") == out["speculative"]["accepted_tokens"]
+        listed = readme_json_keys()  # the README lists exactly what the command prints
+        assert listed == {"": set(out), "speculative": set(out["speculative"]), "timing": set(out["timing"])}, listed
+        spec = out["speculative"]
+        if spec["rounds"]:
+            assert spec["tokens_per_round"] == pytest.approx(1 + spec["accepted_tokens"] / spec["rounds"])
         if limit:
             assert len(out["tokens"]) <= limit
 

@@ -3,15 +3,16 @@
     python tools/ab_engine.py --before REV|FILE [--after REV|FILE] [--model assets/dyno-tiny] [--depths 1 3] [--temp 0]
                               [--suite code] [--pairs 5] [--max-tokens 200] [--json FILE]
 
-Issue 18 keeps a change to the round only if it helps, or is neutral here and removes work a GPU
+A change to the round is worth keeping only if it helps, or is neutral here and removes work a GPU
 backend would wait on; this measures that. `speculative/engine.py` at REV (`git show`) is loaded
 as a sibling module of the current package (its relative imports resolve to today's cache,
 verify, sampling...), and its Speculator is today's `engine.generate`'s `runner=`, so the two
 differ only in the runner. Per prompt and depth the two alternate (A B, then B A on the next pair,
 so neither always runs second); each run's decode time per round is the time from first to last
 token over the rounds between them. Reported: the median of the paired ratios after/before of the
-time per round (min-max), the median tokens per round of each, and whether every pair emitted the
-same tokens (greedy: it must; sampled with a seed: it does unless the head rows round differently).
+time per round (min-max), the tokens per round of each (GenerationStats', pooled over its runs), and
+whether every pair emitted the same tokens (greedy: it must; sampled with a seed: it does unless the
+head rows round differently).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from speculative import engine  # noqa: E402
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
-from speculative.events import Round, Token  # noqa: E402
+from speculative.events import Token  # noqa: E402
+from speculative.stats import GenerationStats  # noqa: E402
 
 
 def engine_at(rev: str, name: str):
@@ -58,16 +60,22 @@ def runner(cls):
 
 
 def timed(lm, prompt, params, depth: int, cls) -> dict:
-    """One generation: tokens, rounds, and seconds per round from the first token to the last."""
-    times, tokens, rounds = [], [], 0
+    """One generation: tokens, its GenerationStats, and seconds per round from the first token to the last."""
+    times, stats = [], GenerationStats()
     for e in engine.generate(lm, prompt, params, SpecConfig("mtp", depth), runner=runner(cls)):
+        stats.add(e)
         if isinstance(e, Token):
             times.append(time.perf_counter())
-            tokens.append(e.id)
-        elif isinstance(e, Round):
-            rounds += 1
     # Rounds after the first token's prefill: all of them end between the first and last token.
-    return {"tokens": tokens, "rounds": rounds, "per_round": (times[-1] - times[0]) / max(rounds, 1)}
+    return {"tokens": stats.tokens, "stats": stats, "per_round": (times[-1] - times[0]) / max(stats.rounds, 1)}
+
+
+def pooled(runs) -> GenerationStats:
+    """Every run's rounds in one GenerationStats."""
+    total = GenerationStats()
+    for stats in runs:
+        total.merge(stats)
+    return total
 
 
 def main() -> None:
@@ -112,8 +120,7 @@ def main() -> None:
         r = {"depth": k, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
              "ratio_max": max(ratios), "identical": same,
              **{f"{name}_ms_per_round": statistics.median(x["per_round"] for x in v) * 1e3 for name, v in rows.items()},
-             **{f"{name}_tokens_per_round": statistics.fmean(len(x["tokens"]) / max(x["rounds"], 1) for x in v)
-                for name, v in rows.items()}}
+             **{f"{name}_tokens_per_round": pooled(x["stats"] for x in v).tokens_per_round for name, v in rows.items()}}
         out["depths"].append(r)
         print(f"depth {k}: ms per round before {r['before_ms_per_round']:.2f}, after {r['after_ms_per_round']:.2f}; "
               f"after/before median {r['ratio_median']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) over "

@@ -26,7 +26,7 @@ steer, this has no sampling noise: the precisions differ only by their heads.
 
 With --records (JSON records of `dyno bench --mtp-head-bits N`) it prints, per head precision,
 temperature and depth, acceptance by position and tokens per round pooled over the suite's prompts
-(rounds, tokens and accepted drafts summed, then divided), as Markdown table rows.
+(their rounds and drafts in one GenerationStats), as Markdown table rows.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative.measure.cost_model import interleaved  # noqa: E402
 from speculative.loader import load_checkpoint  # noqa: E402
 from speculative.heads.precision import HEAD_BITS, QWEN_27B, planned_bytes  # noqa: E402
+from speculative.stats import GenerationStats  # noqa: E402
 
 
 
@@ -169,17 +170,23 @@ def summarize(paths) -> None:
             for s in res["settings"].values():
                 if not s["depth"] or not s["drafted"]:
                     continue
-                rounds = s["drafted"] / s["depth"]  # every round drafts `depth` tokens
-                p = pooled.setdefault((res["temperature"], s["depth"]), {"rounds": 0, "tokens": 0, "pos": [0] * s["depth"],
-                                                                         "ratios": []})
-                p["rounds"] += rounds
-                p["tokens"] += s["tokens_per_round"] * rounds
-                p["pos"] = [a + f * rounds for a, f in zip(p["pos"], s["acceptance_by_position"])]
+                p = pooled.setdefault((res["temperature"], s["depth"]), {"stats": GenerationStats(), "ratios": []})
+                p["stats"].merge(setting_counts(s))
                 p["ratios"].append(s["ratio"]["median"])
         for (temp, depth), p in sorted(pooled.items()):
-            acc = " ".join(f"{a / p['rounds']:.3f}" for a in p["pos"])
+            acc = " ".join(f"{a:.3f}" for a in p["stats"].acceptance_by_position())
             ratio = sorted(p["ratios"])[len(p["ratios"]) // 2]
-            print(f"| {head} | {temp:g} | {depth} | {acc} | {p['tokens'] / p['rounds']:.2f} | {ratio:.2f}x |")
+            print(f"| {head} | {temp:g} | {depth} | {acc} | {p['stats'].tokens_per_round:.2f} | {ratio:.2f}x |")
+
+
+def setting_counts(s: dict) -> GenerationStats:
+    """One bench setting's round counts; records without them (older `dyno bench`) give their rounds as
+    drafted / depth (every round drafts `depth` tokens) and accepted drafts per position as rates."""
+    if "rounds" in s:
+        return GenerationStats.from_counts(s["rounds"], s["accepted_per_position"], s["drafted_per_position"])
+    rounds = round(s["drafted"] / s["depth"])
+    return GenerationStats.from_counts(rounds, [round(f * rounds) for f in s["acceptance_by_position"]],
+                                       [rounds] * s["depth"])
 
 
 if __name__ == "__main__":

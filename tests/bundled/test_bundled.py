@@ -17,7 +17,7 @@ from helpers.run import dyno
 from dyno_ui.paths import BUNDLED_MODEL
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
-from speculative.events import Round, Token
+from speculative.stats import GenerationStats
 from speculative.loader import load_checkpoint
 from speculative.heads.mtp import build_head, read_checkpoint_head
 from speculative.heads.tensors import read_header, read_tensors
@@ -89,7 +89,8 @@ def test_golden_trunk_and_head(name):
 
 # Floors set below what each model measures on this snippet (0.85 / 2.56 dense, 0.70 / 2.53 MoE here) so the choice of
 # snippet cannot trip them, yet a head with a wrong norm stage, a missing +1 shift, a swapped concat or
-# shifted positions (which accept almost nothing) fails loudly: (first-position acceptance, tokens/round).
+# shifted positions (which accept almost nothing) fails loudly: (first-position acceptance, tokens/round),
+# both GenerationStats' figures.
 FLOORS = {"dyno-tiny": (0.65, 2.1), "dyno-tiny-moe": (0.55, 2.0)}
 
 
@@ -101,11 +102,11 @@ def test_heldout_acceptance_floor(name):
     source = inspect.getsource(heldout_module)
     prompt = lm.tokenizer.encode(source[:1500])
     events = list(generate(lm, prompt, SamplingParams(max_tokens=200), SpecConfig("mtp", 3)))
-    tokens = [e.id for e in events if isinstance(e, Token)]
-    rounds = [e for e in events if isinstance(e, Round)]
-    assert tokens == plain_greedy(lm, prompt, 200)
-    first = sum(r.accepted >= 1 for r in rounds) / len(rounds)
-    per_round = len(tokens) / len(rounds)
+    stats = GenerationStats()
+    for e in events:
+        stats.add(e)
+    assert stats.tokens == plain_greedy(lm, prompt, 200)
+    first, per_round = stats.acceptance_by_position()[0], stats.tokens_per_round
     first_floor, per_round_floor = FLOORS[name]
     assert first >= first_floor, first
     assert per_round >= per_round_floor, per_round

@@ -22,20 +22,6 @@ def recording_runner(log: list):
         lm, params, spec.draft_depth, prefill_step, spec.draft_vocab, log=log)
 
 
-def record_drafts(monkeypatch) -> list:
-    """The drafts of runs started where no `runner=` reaches (inside tuning.resolve_depth): recorded
-    as Speculator.draft returns them, one array per round."""
-    log, draft = [], Speculator.draft
-
-    def recording(self, k):
-        tokens, probs = draft(self, k)
-        log.append(tokens)
-        return tokens, probs
-
-    monkeypatch.setattr(Speculator, "draft", recording)
-    return log
-
-
 def replay(drafts, reference, n):
     """The greedy rule replayed by hand: per round, how many drafts it keeps (the leading ones equal
     to plain greedy's `reference` at their positions), for rounds until `n` tokens are out."""
