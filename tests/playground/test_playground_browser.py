@@ -32,15 +32,28 @@ def chromium():
                 f"set DYNO_SKIP_BROWSER=1 to skip them", pytrace=False)
 
 
+# Refreshing the README's screenshots (DYNO_SCREENSHOTS): the playground as `python app.py` starts it
+# from the repository root, with the bundled model named by its relative path (no machine's folders
+# in the pictures) and the depth `auto` picks; the tests' assertions are the same either way.
+SCREENSHOT_RUN = bool(os.environ.get("DYNO_SCREENSHOTS"))
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from dyno_ui.paths import BUNDLED_MODEL
+    from dyno_ui import paths
 
-    if (BUNDLED_MODEL / "config.json").exists():
-        return BUNDLED_MODEL
+    if (paths.BUNDLED_MODEL / "config.json").exists():
+        if not SCREENSHOT_RUN:
+            yield paths.BUNDLED_MODEL
+            return
+        with pytest.MonkeyPatch.context() as mp:
+            mp.chdir(ROOT)
+            mp.setattr(paths, "BUNDLED_MODEL", paths.BUNDLED_MODEL.relative_to(ROOT))
+            yield paths.BUNDLED_MODEL
+        return
     from helpers import playground_models
 
-    return playground_models.alphabet_model(tmp_path_factory.mktemp("alphabet"))
+    yield playground_models.alphabet_model(tmp_path_factory.mktemp("alphabet"))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +67,12 @@ def url(model_dir):
     from speculative.config import SpecConfig
     from speculative.loader import load_checkpoint
 
-    worker = EngineWorker(lambda: (load_checkpoint(model_dir), SpecConfig("auto", 3)))
+    if SCREENSHOT_RUN:  # as `python app.py` loads it: draft vocabulary and depth settled by `auto`
+        from speculative import load_model
+
+        worker = EngineWorker(lambda: load_model(model_dir))
+    else:
+        worker = EngineWorker(lambda: (load_checkpoint(model_dir), SpecConfig("auto", 3)))
     lm = worker.start()
     served = ServedModel(id=lm.path.name, lm=lm, worker=worker, default_max_tokens=48, created=0)
     with serving_in_thread(make_app(served, ui_front=True), lifespan="on", start_timeout=60) as url:
