@@ -29,6 +29,15 @@ from .outputs import Traced
 log = logging.getLogger("dyno.serve")
 
 
+def _own(cache):
+    """An extracted row's attention layer with arrays of its own, cut to its offset (a slice of the
+    batch's would keep the whole batch's alive); the prompt cache copies recurrent layers itself."""
+    if getattr(cache, "keys", None) is not None:
+        cache.keys = mx.array(cache.keys[..., : cache.offset, :])
+        cache.values = mx.array(cache.values[..., : cache.offset, :])
+    return cache
+
+
 class GuardedProcessors:
     """A row's logits processors: if one raises, its job records the error and the logits pass
     unchanged, so the round goes on for the other rows; the row fails after the round."""
@@ -155,21 +164,29 @@ class DraftingBatch:
             speculator = self.batch.rows[-1]
             if speculator.processors:
                 speculator.processors = GuardedProcessors(speculator.processors, job)
-            self._keep_prompt(job, len(self.batch) - 1, speculator.checkpoints)
+            self._keep_prompt(job, len(self.batch) - 1, speculator)
         w.metrics.set_width(len(self.batch))
         self._deliver(row, out)
 
-    def _keep_prompt(self, job, b: int, checkpoints) -> None:
+    def _keep_prompt(self, job, b: int, speculator) -> None:
         """Keep the state after the prompt (row b of the batch now) in the prompt cache, for later requests."""
         cache = self.worker.prefix_cache
         if cache is None or not cache.enabled:
             return
         try:
-            trunk = [c.extract(b) for c in self.batch.trunk_cache]
-            for c in trunk:
-                if getattr(c, "keys", None) is not None:  # rows of its own: a slice keeps the whole batch's
-                    c.keys, c.values = mx.array(c.keys), mx.array(c.values)
-            cache.put(entry_from(job.prompt, trunk, checkpoints))
+            n = len(job.prompt)
+            trunk = [_own(c.extract(b)) for c in self.batch.trunk_cache]
+            entry = entry_from(job.prompt, trunk, speculator.checkpoints)
+            # The head's rows 0..n-1 (its prefill ended with the first token's row): kept one short,
+            # with the trunk's last hidden, so that a later request drafts as this one did. A row
+            # resumed without head rows (a shifted head) has fewer; its entry stays headless.
+            head = [c.extract(b) for c in self.batch.head_cache]
+            if all(h.offset == n for h in head):
+                for h in head:
+                    h.trim(1)
+                entry.head_cache = [_own(h) for h in head]
+                entry.last_hidden = speculator.last_pass.hidden
+            cache.put(entry)
         except Exception:  # the answer matters more than keeping its state
             log.exception("cannot keep a batched request's prompt state")
 
