@@ -68,11 +68,13 @@ class ServeOptions:
     prompt_cache_bytes: Union[int, str, None] = None  # memory for reusable prompt states (None: 1/8 of the machine's)
     prompt_cache_dir: Optional[Path] = None  # keep evicted (and, on shutdown, live) prompt states here
     prompt_cache_disk_bytes: Union[int, str, None] = None  # that folder's budget (None: see speculative/prompt_cache/disk.py)
+    max_batch_memory: Union[int, str, None] = None  # batched rows' estimated KV + state (None: see runtime/admission.py)
+    max_queue: int = 64  # requests waiting beyond those being decoded; more are refused (503, Retry-After)
 
     def __post_init__(self):
         object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") or o for o in self.allowed_origins))
         object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
-        for name in ("prompt_cache_bytes", "prompt_cache_disk_bytes"):  # "8GB", "512MiB", 0, bytes
+        for name in ("prompt_cache_bytes", "prompt_cache_disk_bytes", "max_batch_memory"):  # "8GB", "512MiB", 0, bytes
             object.__setattr__(self, name, parse_size(getattr(self, name), "--" + name.replace("_", "-")))
         if self.api_key is not None and not self.api_key.strip():
             raise DynoError("--api-key must not be empty")
@@ -84,14 +86,13 @@ class ServeOptions:
                 raise DynoError(f"--served-model-name must be a non-empty name without surrounding spaces, got {name!r}")
         if self.decode_concurrency < 1:
             raise DynoError(f"--decode-concurrency must be at least 1, got {self.decode_concurrency}")
+        if self.max_queue < 0:
+            raise DynoError(f"--max-queue must be 0 or more, got {self.max_queue}")
         if self.max_tokens_default < 1:
             raise DynoError(f"--max-tokens-default must be at least 1, got {self.max_tokens_default}")
         if self.model.distributed and self.batched:
             raise DynoError("--distributed decodes one request at a time across the ranks; "
                             "drop --decode-concurrency")
-        if self.model.speculative == "mtp" and self.batched:
-            raise DynoError("--speculative mtp drafts one request at a time; with --decode-concurrency above 1 "
-                            "requests are batched without drafts (use --speculative auto or off)")
 
     @property
     def batched(self) -> bool:

@@ -6,7 +6,7 @@ are counted from the DRAFT tokens themselves, each at its position within its ro
 """
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from .events import Done, Provenance, Round, Token
 
@@ -32,6 +32,7 @@ class GenerationStats:
     accepted_per_position: List[int] = field(default_factory=list)  # index i: draft position i + 1
     drafted_per_position: List[int] = field(default_factory=list)  # rounds that drafted position i + 1
     done: Optional[Done] = None
+    widths: Optional[Tuple[int, int]] = None  # in a batch: the fewest and the most rows of its rounds
     _position: int = 0  # drafts delivered so far in the current round
 
     @classmethod
@@ -57,6 +58,11 @@ class GenerationStats:
             self._count_drafted(event.drafted)
         elif isinstance(event, Done):
             self.done = event
+
+    def add_width(self, width: int) -> None:
+        """One of its rounds ran beside others: `width` rows in all."""
+        low, high = self.widths or (width, width)
+        self.widths = (min(low, width), max(high, width))
 
     def _count_drafted(self, depth: int, n: int = 1) -> None:
         _grown(self.drafted_per_position, depth)
@@ -109,13 +115,20 @@ class GenerationStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
     def summary_line(self) -> str:
-        """The one-line report, e.g. `MTP: 512 tokens in 147 rounds (3.48 per round), 365/437 drafts accepted`."""
+        """The one-line report, e.g. `MTP: 512 tokens in 147 rounds (3.48 per round), 365/437 drafts accepted`
+        (in a batch, followed by `, batch width 1-3`)."""
         n = len(self.tokens)
         if self.speculative:
             return (f"MTP: {n} tokens in {self.rounds} rounds ({self.tokens_per_round:.2f} per round), "
-                    f"{self.accepted_tokens}/{self.draft_tokens} drafts accepted")
+                    f"{self.accepted_tokens}/{self.draft_tokens} drafts accepted{self._width_note()}")
         rate = self.decode_tokens_per_s
         return f"Plain: {n} tokens, no drafting" + (f" ({rate:.1f} tok/s)" if rate else "")
+
+    def _width_note(self) -> str:
+        if self.widths is None:
+            return ""
+        low, high = self.widths
+        return f", batch width {low}" + (f"-{high}" if high != low else "")
 
     @property
     def decode_tokens_per_s(self) -> Optional[float]:

@@ -13,7 +13,14 @@ def add_command(sub) -> None:
     p.add_argument("--host", default=ServeOptions.host, help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=ServeOptions.port, help="port (default: %(default)s; 0 picks a free one)")
     p.add_argument("--decode-concurrency", type=int, default=ServeOptions.decode_concurrency, metavar="N",
-                   help="requests decoded together; above 1 they are batched without drafting (default: %(default)s)")
+                   help="requests decoded together; above 1 they are batched, drafting in batches when the model "
+                        "has an MTP head (default: %(default)s)")
+    p.add_argument("--max-batch-memory", metavar="SIZE",
+                   help="memory batched requests may hold (keys, values and states for prompt + max_tokens, "
+                        "estimated), e.g. 8GB; more wait (default: 1/4 of the recommended working set, or of RAM)")
+    p.add_argument("--max-queue", type=int, default=ServeOptions.max_queue, metavar="N",
+                   help="requests that may wait for the engine; more are refused with 503 and Retry-After "
+                        "(default: %(default)s)")
     p.add_argument("--max-tokens-default", type=int, default=ServeOptions.max_tokens_default, metavar="N",
                    help="max_tokens for requests that do not set it (default: %(default)s)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the Gradio playground at /ui")
@@ -35,6 +42,7 @@ def options_from(args) -> ServeOptions:
                         decode_concurrency=args.decode_concurrency, max_tokens_default=args.max_tokens_default,
                         ui=not args.no_ui, prompt_cache_bytes=args.prompt_cache_bytes,
                         prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
+                        max_batch_memory=args.max_batch_memory, max_queue=args.max_queue,
                         **access_options(args))
 
 

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from speculative.stats import GenerationStats
 
+WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, float("inf"))
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, float("inf"))
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, float("inf"))
 
@@ -63,7 +64,16 @@ class ServerMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("mlx:time_to_first_token_seconds", "Arrival to first token",
                               buckets=TTFT_BUCKETS, registry=r)
+        self.batch_width = Gauge("mlx:batch_width", "Requests being decoded together now", registry=r)
+        self.round_width = Histogram("mlx:batch_round_width", "Requests decoded together in each round",
+                                     buckets=WIDTH_BUCKETS, registry=r)
+        self.rounds_by_depth = Counter("mlx:batch_rounds_by_depth",
+                                       "Rounds by the draft depth chosen for them (0: plain decoding)", ["depth"],
+                                       registry=r)
         self._lock = threading.Lock()
+        self._width = self._max_width = 0
+        self._rounds_by_width: dict = {}
+        self._rounds_by_depth: dict = {}
         self.set_draft_depth(draft_depth)
         self._totals = GenerationStats(draft_depth=draft_depth)
         self._requests = {"stop": 0, "length": 0, "cancelled": 0, "failed": 0}
@@ -77,6 +87,22 @@ class ServerMetrics:
             self.accepted_per_position.labels(position=str(pos))  # exported as 0 before any request
             self.drafted_per_position.labels(position=str(pos))
             self.acceptance_by_position.labels(position=str(pos))
+
+    def set_width(self, width: int) -> None:
+        """How many requests are being decoded together now (called as they join and leave)."""
+        self.batch_width.set(width)
+        with self._lock:
+            self._width = width
+            self._max_width = max(self._max_width, width)
+
+    def record_round(self, width: int, depth: int) -> None:
+        """One round of `width` requests at draft depth `depth` (called on the engine thread)."""
+        self.round_width.observe(width)
+        self.rounds_by_depth.labels(depth=str(depth)).inc()
+        with self._lock:
+            self._max_width = max(self._max_width, width)
+            self._rounds_by_width[width] = self._rounds_by_width.get(width, 0) + 1
+            self._rounds_by_depth[depth] = self._rounds_by_depth.get(depth, 0) + 1
 
     def record(self, outcome: Outcome) -> None:
         """Count one request (called on the engine thread)."""
@@ -132,4 +158,7 @@ class ServerMetrics:
                 "requests": {"total": sum(self._requests.values()), **self._requests},
                 "tokens": {"prompt": self._prompt, "prompt_cached": self._cached,
                            "generated": self._generated},
+                "batch": {"width": self._width, "max_width": self._max_width,
+                          "rounds_by_width": {str(k): v for k, v in sorted(self._rounds_by_width.items())},
+                          "rounds_by_depth": {str(k): v for k, v in sorted(self._rounds_by_depth.items())}},
             }

@@ -7,10 +7,12 @@ for the engine's own events (`trace`: tokens with provenance, rounds) and runs o
 (loading another model, reading memory) on this thread through `call`.
 
 Serial mode (decode concurrency 1) runs one request at a time through the engine, drafting with
-the MTP head when there is one. Batched mode hands concurrent requests to mlx-lm's BatchGenerator,
-which does not draft. Both reuse earlier prompts' states through one prompt cache
+the MTP head when there is one. Batched mode (decode concurrency N > 1) drafts in batches when there
+is a head (drafting_batch.py), and otherwise hands concurrent requests to mlx-lm's BatchGenerator.
+Every mode reuses earlier prompts' states through one prompt cache
 (speculative/prompt_cache/store.py), bounded in bytes, with an optional disk tier that outlives the
-process; prefill is cut (and checkpointed) where chat messages start.
+process; prefill is cut (and checkpointed) where chat messages start. Requests wait for the engine
+in a queue of at most `max_queue`; past that, submit refuses them (503, Retry-After).
 """
 
 import gc
@@ -29,8 +31,7 @@ from mlx_lm.generate import BatchGenerator
 from speculative.config import SamplingParams, SpecConfig
 from speculative import distributed
 from speculative.engine import generate, scored
-from speculative.errors import one_line
-from speculative.events import Done, Provenance, Token, TokenLogprobs
+from speculative.events import Done, Provenance, Round, Token, TokenLogprobs
 from speculative.loader import LoadedModel
 from speculative.prompt_cache.store import Checkpoint, PrefixCache, entry_from, owned, recurrent_state
 from speculative.prompt_cache.disk import prompt_store
@@ -39,13 +40,15 @@ from speculative.sampling import plain_sampler
 from speculative.stats import GenerationStats
 
 from .boundaries import message_marker, message_starts
+from .drafting_batch import DraftingBatch
+from .errors import STOPPED, failure, queue_full
 from .logprobs import TokenBytes, described
 from .metrics import Outcome, ServerMetrics
 from .outputs import Failed, Finished, Traced
 from .textstream import TextAssembler
 
 log = logging.getLogger("dyno.serve")
-STOPPED = "the server is shutting down"
+MAX_QUEUE = 64  # requests waiting for the engine, beyond those it decodes
 
 
 @dataclass
@@ -101,10 +104,16 @@ class EngineWorker:
 
     def __init__(self, load: Callable[[], Tuple[LoadedModel, SpecConfig]], decode_concurrency: int = 1,
                  prompt_cache_bytes: Optional[int] = None, prompt_cache_dir: Optional[Path] = None,
-                 prompt_cache_disk_bytes: Optional[int] = None):
+                 prompt_cache_disk_bytes: Optional[int] = None, max_queue: int = MAX_QUEUE,
+                 max_batch_memory: Optional[int] = None, depth_for: Optional[Callable[[int], int]] = None):
         self.load = load  # runs on the engine thread: loading and depth tuning are MLX work too
         self.spec = SpecConfig()
         self.concurrency = decode_concurrency
+        self.max_queue = max_queue
+        self.max_batch_memory = max_batch_memory  # None: admission.default_batch_memory()
+        # The draft depth of a batched round of `width` rows (the seam for a cost-model policy;
+        # by default the configured depth whatever the width).
+        self.depth_for: Callable[[int], int] = depth_for or self.configured_depth
         # The prompt cache: made for each model once it is loaded (its disk folder is per model).
         self.prompt_cache_options = (prompt_cache_bytes, prompt_cache_dir, prompt_cache_disk_bytes)
         self.prefix_cache: Optional[PrefixCache] = None
@@ -123,9 +132,12 @@ class EngineWorker:
 
     @property
     def drafting(self) -> bool:
-        """True when requests are decoded with MTP drafts (serial mode with a head, not off)."""
-        return (self.concurrency == 1 and self.spec.mode != "off"
-                and self.lm is not None and self.lm.head is not None)
+        """True when requests are decoded with MTP drafts (a head loaded, speculation not off)."""
+        return self.spec.mode != "off" and self.lm is not None and self.lm.head is not None
+
+    def configured_depth(self, width: int) -> int:
+        """The draft depth the model was loaded with, for a round of any width."""
+        return self.spec.draft_depth
 
     def start(self) -> LoadedModel:
         """Start the thread, load the model on it, and return it (load errors are raised here)."""
@@ -140,9 +152,13 @@ class EngineWorker:
         return self._thread.is_alive()
 
     def submit(self, job: Job) -> Job:
-        """Queue `job`; its outputs arrive through job.sink (a Failed one at once if the engine has stopped)."""
+        """Queue `job`; its outputs arrive through job.sink (a Failed one at once if the engine has stopped).
+
+        Raises ApiError (503, Retry-After) when `max_queue` requests already wait."""
         with self._submit_lock:
             if not self._stopped:
+                if self.jobs.qsize() >= self.max_queue:
+                    raise queue_full(self.max_queue)
                 self.jobs.put(job)
                 return job
         job.send(Failed(STOPPED, 503))
@@ -193,7 +209,12 @@ class EngineWorker:
     def _main(self) -> None:
         try:
             if self._load():
-                self._serve_serial() if self.concurrency == 1 else self._serve_batched()
+                if self.concurrency == 1:
+                    self._serve_serial()
+                elif self.drafting:
+                    DraftingBatch(self).serve()
+                else:
+                    self._serve_batched()
         finally:
             for job in self.running.values():  # only if the loop itself died: no job goes unanswered
                 self._fail(job, "the engine stopped", 503)
@@ -261,12 +282,14 @@ class EngineWorker:
             if self._settled_in_queue(job):
                 continue
             self.running[id(job)] = job
+            self.metrics.set_width(1)
             try:
                 self._run(job)
             except Exception as e:  # this request fails alone: the thread, other jobs and cache entries live on
                 log.exception("generation failed")
                 self._fail(job, failure(e))
             del self.running[id(job)]
+            self.metrics.set_width(0)
             if self._closing.is_set():
                 break
 
@@ -297,7 +320,9 @@ class EngineWorker:
                 if job.trace:
                     job.send(Traced(event, time.perf_counter()))
                 job.stats.add(event)
-                if isinstance(event, Token):
+                if isinstance(event, Round):
+                    self.metrics.record_round(1, event.drafted)
+                elif isinstance(event, Token):
                     self._on_token(job, event.id, event.logprobs)
                     if split and (why := self._until(job)):
                         reason = why
@@ -378,7 +403,10 @@ class EngineWorker:
             if not active:
                 continue
             try:
+                width = len(active)
+                self.metrics.set_width(width)
                 responses = self._next_generated(batch, active)
+                self.metrics.record_round(width, 0)
             except Exception as e:  # not attributable to one request: fail the batch, keep serving
                 log.exception("batched generation failed")
                 for job in active.values():
@@ -402,6 +430,7 @@ class EngineWorker:
         for job in active.values():  # closing: the jobs in flight are told so
             self._fail(job, STOPPED, 503)
         active.clear()
+        self.metrics.set_width(0)
 
     def _deliver(self, batch: BatchGenerator, active: Dict[int, Job], r) -> None:
         """One batch response to its job: its token and text, and its end if it ended."""
@@ -509,11 +538,6 @@ def _own_cache(cache):
         cache.keys = mx.array(cache.keys[..., : cache.offset, :])
         cache.values = mx.array(cache.values[..., : cache.offset, :])
     return cache
-
-
-def failure(error: BaseException) -> str:
-    """The one line a client gets for an exception raised while serving its request."""
-    return f"generation failed: {one_line(error)}"
 
 
 def greedy_row(logprobs: mx.array) -> mx.array:

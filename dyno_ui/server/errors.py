@@ -85,7 +85,8 @@ def add_error_handlers(app: FastAPI, envelope: Envelope, by_path: Optional[Mappi
     choose = envelope_chooser(envelope, by_path, by_header)
 
     def respond(request: Request, err: ApiError) -> JSONResponse:
-        return JSONResponse(choose(request.url.path, request.headers)(err), status_code=err.status)
+        headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+        return JSONResponse(choose(request.url.path, request.headers)(err), status_code=err.status, headers=headers)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):

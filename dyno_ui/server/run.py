@@ -18,6 +18,8 @@ log = logging.getLogger("dyno.serve")
 
 def describe(worker) -> str:
     """How requests are decoded, for the startup line."""
+    if worker.concurrency > 1 and worker.drafting:
+        return f"batched MTP drafting of up to {worker.concurrency} requests, depth {worker.spec.draft_depth}"
     if worker.concurrency > 1:
         return f"batched decoding of up to {worker.concurrency} requests, no drafting"
     ranks = worker.lm.ranks if worker.lm is not None else None
@@ -112,7 +114,6 @@ def run(options: ServeOptions) -> int:
 
     m = options.model
     path = m.model or default_model()
-    mode = "off" if options.batched else m.speculative  # batched decoding never drafts: skip the head
     notify = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     split = distributed.Member(m.distributed) if m.distributed else None
     if split is not None and not split.leader:
@@ -123,14 +124,15 @@ def run(options: ServeOptions) -> int:
             split.close()
 
     def load():
-        return load_model(path, **m.load_args(mode), draft_depth=m.draft_depth, draft_vocab=m.draft_vocab,
+        return load_model(path, **m.load_args(), draft_depth=m.draft_depth, draft_vocab=m.draft_vocab,
                           notify=notify, split=split)
 
     # Split across ranks: no prompt cache (each rank's store would evict by its own shard's bytes).
     worker = EngineWorker(load, decode_concurrency=options.decode_concurrency,
                           prompt_cache_bytes=0 if split else options.prompt_cache_bytes,
                           prompt_cache_dir=None if split else options.prompt_cache_dir,
-                          prompt_cache_disk_bytes=options.prompt_cache_disk_bytes)
+                          prompt_cache_disk_bytes=options.prompt_cache_disk_bytes, max_queue=options.max_queue,
+                          max_batch_memory=options.max_batch_memory)
     lm = worker.start()  # notices were printed while loading
     served = ServedModel(id=lm.path.name, lm=lm, worker=worker, default_max_tokens=options.max_tokens_default,
                          created=int(time.time()), names=options.served_model_names)

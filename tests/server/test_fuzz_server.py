@@ -90,14 +90,17 @@ COMPLETION = body(
     st.tuples(st.sampled_from(["prompt", "logprobs"]),
               TEXT | INTS | st.lists(INTS, max_size=6) | st.lists(TEXT, max_size=2) | JUNK),
 )
-STATUSES = {}  # decode concurrency -> the statuses its fuzzed requests got
+STATUSES = {}  # (decode concurrency, drafting in batches) -> the statuses its fuzzed requests got
 REQUEST = st.tuples(st.just("/v1/chat/completions"), CHAT) | st.tuples(st.just("/v1/completions"), COMPLETION)
 
 
-@pytest.fixture(scope="module", params=[1, 3], ids=["serial", "batched"])
+@pytest.fixture(scope="module", params=[(1, False), (3, False), (3, True)],
+                ids=["serial", "batched", "batched-drafting"])
 def server(request, tiny_dir):
     folder = tiny_dir("tied-gqa2", max_position_embeddings=CONTEXT)
-    with running_server(folder, SpecConfig("auto", 3), decode_concurrency=request.param) as running:
+    concurrency, drafting = request.param
+    with running_server(folder, SpecConfig("auto", 3), decode_concurrency=concurrency,
+                        drafting_batch=drafting) as running:
         yield running
     # The strategies stay useful: after a full run, many requests were valid enough to reach the engine.
     got = STATUSES.get(request.param, [])
@@ -148,7 +151,8 @@ def test_no_request_gets_a_5xx_or_hurts_another(server, expected, request):
         status, reply = fuzzed.result(timeout=120)
         assert check.result(timeout=120) == expected
     assert status < 500, (status, reply)
-    STATUSES.setdefault(server.served.worker.concurrency, []).append(status)
+    worker = server.served.worker
+    STATUSES.setdefault((worker.concurrency, worker.concurrency > 1 and worker.drafting), []).append(status)
     if status != 200:
         error = reply["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]

@@ -147,7 +147,7 @@ def headless(tmp_path_factory):
 
 @pytest.mark.parametrize("args, message", [
     (["--speculative", "mtp"], "no MTP head for"),
-    (["--speculative", "mtp", "--decode-concurrency", "2"], "--speculative mtp drafts one request at a time"),
+    (["--speculative", "mtp", "--decode-concurrency", "2"], "no MTP head for"),
     (["--decode-concurrency", "0"], "--decode-concurrency must be at least 1, got 0"),
 ])
 def test_serve_refuses_what_it_cannot_do(headless, capsys, args, message):

@@ -1,0 +1,243 @@
+"""Batched drafting on the engine thread: concurrent requests decoded together by
+speculative.batched.BatchSpeculator, every row drafting with the MTP head.
+
+Rows join between rounds while the batch has room (the decode concurrency) and the memory budget
+allows (admission.py); each is prefilled alone from the prompt cache's longest prefix, and the state
+after its prompt is kept there for later requests (the state a row reaches by the end is not: the
+batch drops a row's caches when it finishes). Rows leave at EOS, max_tokens, a stop string, a cancel,
+or an error of their own (its processors or its output raising): that row fails, the others go on.
+Each round's depth is the worker's depth_for(width).
+"""
+
+import logging
+import queue
+import time
+from typing import Dict, Optional
+
+import mlx.core as mx
+
+from speculative.batched import BatchSpeculator, RowEvents
+from speculative.events import Token
+from speculative.prompt_cache.store import entry_from
+from speculative.stats import GenerationStats
+
+from .admission import Admission, RowMemory, default_batch_memory
+from .boundaries import message_starts
+from .errors import STOPPED, failure
+from .outputs import Traced
+
+log = logging.getLogger("dyno.serve")
+
+
+def _own(cache):
+    """An extracted row's attention layer with arrays of its own, cut to its offset (a slice of the
+    batch's would keep the whole batch's alive); the prompt cache copies recurrent layers itself."""
+    if getattr(cache, "keys", None) is not None:
+        cache.keys = mx.array(cache.keys[..., : cache.offset, :])
+        cache.values = mx.array(cache.values[..., : cache.offset, :])
+    return cache
+
+
+class GuardedProcessors:
+    """A row's logits processors: if one raises, its job records the error and the logits pass
+    unchanged, so the round goes on for the other rows; the row fails after the round."""
+
+    def __init__(self, inner, job):
+        self.inner, self.job = inner, job
+
+    def __bool__(self) -> bool:
+        return bool(self.inner)
+
+    def tail(self, prompt, generated):
+        return self.inner.tail(prompt, generated)
+
+    def row(self, logits, history, drafts=None):
+        return self._guarded(self.inner.row, logits, history, drafts)
+
+    def rows(self, logits, history, drafts=None):
+        return self._guarded(self.inner.rows, logits, history, drafts)
+
+    def _guarded(self, fn, logits, *args):
+        if self.job.error is None:
+            try:
+                return fn(logits, *args)
+            except Exception as e:
+                self.job.error = e
+        return logits
+
+
+class DraftingBatch:
+    """The batched drafting loop of an EngineWorker (decode concurrency > 1, a head loaded)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        lm = worker.lm
+        self.batch = self._new_batch()
+        self.active: Dict[int, object] = worker.running  # jobs in the batch, by row id
+        self.bytes: Dict[int, int] = {}  # each row's estimated memory
+        budget = worker.max_batch_memory if worker.max_batch_memory is not None else default_batch_memory()
+        self.admission = Admission(RowMemory.of(lm.config, len(lm.head.layers)), budget)
+        self.held = None  # the next job, waiting for memory to free
+        self.next_row = 0
+
+    def _new_batch(self) -> BatchSpeculator:
+        return BatchSpeculator(self.worker.lm, draft_vocab=self.worker.spec.draft_vocab)
+
+    def serve(self) -> None:
+        w = self.worker
+        while self._admit() and not w._closing.is_set():
+            for row, job in list(self.active.items()):
+                if job.cancelled.is_set():
+                    self._end(row, "cancelled")
+            if not self.active:
+                continue
+            width = len(self.batch)
+            depth = w.depth_for(width)
+            try:
+                rounds = self.batch.step(depth)
+            except Exception as e:  # not attributable to one request: fail the batch, keep serving
+                log.exception("batched drafting failed")
+                for job in self.active.values():
+                    w._fail(job, failure(e))
+                self.active.clear()
+                self.bytes.clear()
+                self.batch = self._new_batch()
+                w.metrics.set_width(0)
+                continue
+            w.metrics.record_round(width, depth)
+            for row, out in rounds.items():
+                self.active[row].stats.add_width(width)
+                self._deliver(row, out)
+            for row, job in list(self.active.items()):  # its own processors raised in the round
+                if job.error is not None:
+                    self._fail(row, job.error)
+        for job in self.active.values():  # closing: the jobs in flight are told so
+            w._fail(job, STOPPED, 503)
+        self.active.clear()
+        if self.held is not None:
+            w._fail(self.held, STOPPED, 503)
+
+    # ---- rows joining ----
+
+    def _admit(self) -> bool:
+        """Move queued jobs into the batch while there is room (waiting for one when idle); False once closed."""
+        w = self.worker
+        while len(self.active) < w.concurrency:
+            job = self.held
+            if job is None:
+                try:
+                    job = w.jobs.get(block=not self.active)
+                except queue.Empty:
+                    return True
+                if job is None:
+                    return False
+                if w._settled_in_queue(job) or w._stale(job):
+                    continue
+            tokens = len(job.prompt) + job.params.max_tokens
+            if not self.admission.fits(self.bytes.values(), tokens, w.spec.draft_depth):
+                self.held = job  # first come, first served: later jobs wait behind it
+                return True
+            self.held = None
+            self._join(job, self.admission.memory.row(tokens, w.spec.draft_depth))
+        return True
+
+    def _join(self, job, nbytes: int) -> None:
+        """Prefill the job's prompt alone (after its cached prefix) and add its row; send its first token."""
+        w = self.worker
+        job.stats = GenerationStats(draft_depth=w.spec.draft_depth)
+        job.started_at = time.perf_counter()
+        row = self.next_row
+        self.next_row += 1
+        try:
+            resume = w.prefix_cache.take(job.prompt, head_layers=len(w.lm.head.layers))
+            at = len(resume) if resume else 0
+            cuts = w.prefix_cache.plan(len(job.prompt), message_starts(job.prompt, w.marker), at)
+            job.reused = at
+            out = self.batch.join(row, job.prompt, job.params, resume, cuts)
+        except Exception as e:  # this request alone is refused; the batch goes on
+            log.exception("cannot add a request to the batch")
+            w._fail(job, failure(e))
+            return
+        self.active[row] = job
+        self.bytes[row] = nbytes
+        if row in self.batch:
+            speculator = self.batch.rows[-1]
+            if speculator.processors:
+                speculator.processors = GuardedProcessors(speculator.processors, job)
+            self._keep_prompt(job, len(self.batch) - 1, speculator)
+        w.metrics.set_width(len(self.batch))
+        self._deliver(row, out)
+
+    def _keep_prompt(self, job, b: int, speculator) -> None:
+        """Keep the state after the prompt (row b of the batch now) in the prompt cache, for later requests."""
+        cache = self.worker.prefix_cache
+        if cache is None or not cache.enabled:
+            return
+        try:
+            n = len(job.prompt)
+            trunk = [_own(c.extract(b)) for c in self.batch.trunk_cache]
+            entry = entry_from(job.prompt, trunk, speculator.checkpoints)
+            # The head's rows 0..n-1 (its prefill ended with the first token's row): kept one short,
+            # with the trunk's last hidden, so that a later request drafts as this one did. A row
+            # resumed without head rows (a shifted head) has fewer; its entry stays headless.
+            head = [c.extract(b) for c in self.batch.head_cache]
+            if all(h.offset == n for h in head):
+                for h in head:
+                    h.trim(1)
+                entry.head_cache = [_own(h) for h in head]
+                entry.last_hidden = speculator.last_pass.hidden
+            cache.put(entry)
+        except Exception:  # the answer matters more than keeping its state
+            log.exception("cannot keep a batched request's prompt state")
+
+    # ---- rows emitting and leaving ----
+
+    def _deliver(self, row: int, out: RowEvents) -> None:
+        """A row's events to its job: stats, trace, tokens and text; ends the row when it finished,
+        its stop string matched or it was cancelled."""
+        w, job = self.worker, self.active[row]
+        reason: Optional[str] = None
+        try:
+            tokens = sum(isinstance(e, Token) for e in out.events)
+            for event in out.events:
+                if job.trace:
+                    job.send(Traced(event, time.perf_counter()))
+                job.stats.add(event)
+                if isinstance(event, Token):
+                    w._on_token(job, event.id, event.logprobs)
+                    tokens -= 1
+                    if tokens == 0 and out.finish is not None:  # EOS or max_tokens first, as generate checks
+                        break
+                    if (reason := w._until(job)) is not None:
+                        break
+        except Exception as e:  # e.g. its detokenizer or tool parser: this request fails alone
+            log.exception("a batched request failed")
+            self._fail(row, e)
+            return
+        reason = reason or out.finish
+        if reason is not None:
+            self._end(row, reason)
+
+    def _leave(self, row: int) -> None:
+        if row in self.batch:
+            self.batch.leave(row)
+        self.active.pop(row, None)
+        self.bytes.pop(row, None)
+        self.worker.metrics.set_width(len(self.batch))
+
+    def _end(self, row: int, reason: str) -> None:
+        w, job = self.worker, self.active[row]
+        self._leave(row)
+        if reason == "cancelled" and not job.cancelled.is_set():  # cut by shutdown, not by its client
+            w._fail(job, STOPPED, 503)
+            return
+        try:
+            w._finish_batched(job, reason)
+        except Exception as e:
+            log.exception("a batched request failed")
+            w._fail(job, failure(e))
+
+    def _fail(self, row: int, error: BaseException) -> None:
+        job = self.active[row]
+        self._leave(row)
+        self.worker._fail(job, failure(error))

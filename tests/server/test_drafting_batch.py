@@ -1,0 +1,205 @@
+"""Batched drafting over a real socket (`--decode-concurrency 4` with the MTP head, the bundled model):
+every request, whatever runs beside it, gets exactly the answer the serial drafting server gives it
+alone; rows of different lengths finish mid-round, a stop string, a cancel, a grammar beside free
+rows, a reused prefix. Also: a seeded sampled answer is the same alone and in a batch, the memory
+budget keeps rows out, and a full queue answers 503 with Retry-After in both APIs' envelopes."""
+
+import logging
+import queue
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from dyno_ui.paths import BUNDLED_MODEL
+from dyno_ui.runtime.outputs import Failed, Finished
+from dyno_ui.runtime.textstream import TextAssembler
+from dyno_ui.runtime.worker import Job
+from helpers.serving import MODEL_ID, running_server
+from speculative.config import SamplingParams, SpecConfig
+
+pytestmark = pytest.mark.e2e
+
+SPEC = SpecConfig("mtp", 3)
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+ANSWER = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False}
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+FIRST = "# a first conversation\ndef first(x):\n"
+
+
+@pytest.fixture(scope="module")
+def serial():
+    with running_server(BUNDLED_MODEL, SPEC) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def batched():
+    with running_server(BUNDLED_MODEL, SPEC, decode_concurrency=4, drafting_batch=True) as running:
+        yield running
+
+
+def completion(server, prompt, max_tokens, **kw):
+    out = server.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=max_tokens, temperature=0, **kw)
+    return out.choices[0].text, out.choices[0].finish_reason, out.usage.prompt_tokens_details.cached_tokens
+
+
+def chat(server, content, max_tokens, **kw):
+    out = server.client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": content}],
+                                                max_tokens=max_tokens, temperature=0, **kw)
+    m = out.choices[0].message
+    calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+    return m.content, getattr(m, "reasoning_content", None), calls, out.choices[0].finish_reason
+
+
+def requests(stop: str, turn: str):
+    """Name -> (function, args, kwargs): different prompt lengths and max_tokens, a stop string, a forced
+    tool call and a json_schema answer beside free ones, a prompt that extends an earlier one."""
+    return {
+        "short": (completion, ("def f(x):", 40), {}),
+        "long": (completion, ("# " + "a long comment line\n" * 20 + "def g(y):", 13), {}),
+        "odd": (completion, ("class Point:\n", 29), {}),
+        "stop": (completion, ("def f(x):", 40), {"stop": [stop]}),
+        "logprobs": (completion, ("import os\n", 17), {"logprobs": 2}),
+        "chat": (chat, ("Say something short.", 31), {"extra_body": NO_THINKING}),
+        "tool": (chat, ("Add 2 and 3.", 60), {"tools": [ADD], "tool_choice": "required", "extra_body": NO_THINKING}),
+        "json": (chat, ("Give n and ok.", 40), {"extra_body": NO_THINKING, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}}),
+        "turn": (completion, (turn, 21), {}),
+    }
+
+
+def answer(server, fn, args, kw):
+    out = fn(server, *args, **kw)
+    return out[:-1] if fn is completion else out  # cached tokens differ between servers
+
+
+def test_every_request_in_a_batch_gets_its_answer_alone(serial, batched, caplog):
+    first, _, _ = completion(batched, FIRST, 12)  # the batched server keeps its prompt's state
+    turn = FIRST + first + "\n    return first\n"
+    free = completion(serial, "def f(x):", 40)[0]
+    stop = free[6:9]
+    assert stop and free.find(stop) < 30
+    todo = requests(stop, turn)
+    want = {name: answer(serial, *r) for name, r in todo.items()}
+    assert want["stop"][1] == "stop" and want["stop"][0] == free[: free.find(stop)]
+    assert want["tool"][2] and want["tool"][2][0][0] == "add"
+
+    def cancelled():
+        """A stream its client leaves after a few chunks, while the others run."""
+        stream = batched.client.completions.create(model=MODEL_ID, prompt="def h(z):", max_tokens=300,
+                                                   temperature=0, stream=True)
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()
+
+    with caplog.at_level(logging.INFO, logger="dyno.serve"), ThreadPoolExecutor(len(todo) + 1) as pool:
+        futures = {name: pool.submit(answer, batched, *r) for name, r in todo.items()}
+        pool.submit(cancelled).result()
+        got = {name: f.result() for name, f in futures.items()}
+    assert got == want
+    stats = batched.stats()
+    assert stats["batch"]["max_width"] > 1 and stats["speculative"]["rounds"] > 0
+    assert any(int(w) > 1 for w in stats["batch"]["rounds_by_width"])
+    assert stats["batch"]["rounds_by_depth"] == {"3": sum(stats["batch"]["rounds_by_width"].values())}
+    assert stats["tokens"]["prompt_cached"] > 0  # the turn reused the first conversation's prompt
+    assert stats["requests"]["failed"] == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "dyno.serve"]
+    assert any(re.search(r"drafts accepted, batch width \d+-\d+$", line) for line in lines), lines
+    metrics = batched.metrics()
+    assert metrics["mlx:batch_round_width_count"] > 0 and metrics["mlx:batch_rounds_by_depth_total{depth=3}"] > 0
+
+
+def test_a_cancelled_row_is_counted_and_the_batch_goes_on(batched):
+    before = batched.stats()["requests"]["cancelled"]
+    stream = batched.client.completions.create(model=MODEL_ID, prompt="def h(z):", max_tokens=500, temperature=0,
+                                               stream=True)
+    next(iter(stream))
+    stream.close()
+    alone = completion(batched, "def f(x):", 20)
+    for _ in range(200):
+        if batched.stats()["requests"]["cancelled"] > before:
+            break
+        threading.Event().wait(0.05)
+    assert batched.stats()["requests"]["cancelled"] == before + 1
+    assert alone[1] == "length"
+
+
+def test_a_seeded_sampled_request_is_the_same_alone_and_in_a_batch(batched):
+    kw = dict(model=MODEL_ID, prompt="def sample(x):", max_tokens=30, temperature=0.9, seed=1234)
+    alone = batched.client.completions.create(**kw).choices[0].text
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(completion, batched, f"# other {i}\n", 25 + i) for i in range(3)]
+        beside = pool.submit(lambda: batched.client.completions.create(**kw).choices[0].text)
+        assert beside.result() == alone
+        [f.result() for f in others]
+
+
+def test_a_failing_row_fails_alone(batched, serial):
+    class BrokenText(TextAssembler):
+        def __init__(self, tokenizer):
+            super().__init__(tokenizer, [])
+            self.seen = 0
+
+        def add(self, token):
+            self.seen += 1
+            if self.seen == 3:
+                raise RuntimeError("boom in one row")
+            return super().add(token)
+
+    lm = batched.served.lm
+    want = completion(serial, "def f(x):", 20)
+    out = queue.Queue()
+    with ThreadPoolExecutor(3) as pool:
+        good = [pool.submit(completion, batched, "def f(x):", 20) for _ in range(2)]
+        batched.served.worker.submit(Job(lm.tokenizer.encode("def k(x):"), SamplingParams(max_tokens=30),
+                                         BrokenText(lm.tokenizer), out.put, lm=lm))
+        while not isinstance(final := out.get(timeout=120), (Finished, Failed)):
+            pass
+        answers = [f.result() for f in good]
+    assert isinstance(final, Failed) and final.message == "generation failed: boom in one row"
+    assert [a[:2] for a in answers] == [want[:2]] * 2
+
+
+def test_rows_wait_for_memory_and_still_get_their_answers(serial):
+    want = [completion(serial, f"def m{i}(x):", 10 + i)[:2] for i in range(3)]
+    with running_server(BUNDLED_MODEL, SPEC, decode_concurrency=4, drafting_batch=True,
+                        worker_kw={"max_batch_memory": 1}) as tight:
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda i: completion(tight, f"def m{i}(x):", 10 + i)[:2], range(3)))
+        assert got == want
+        assert tight.stats()["batch"]["max_width"] == 1  # a row alone always fits; two never do
+
+
+@pytest.mark.parametrize("drafting", [True, False], ids=["drafting-batch", "serial"])
+def test_a_full_queue_answers_503_with_retry_after(drafting):
+    kw = dict(decode_concurrency=2, drafting_batch=True) if drafting else {}
+    with running_server(BUNDLED_MODEL, SPEC, worker_kw={"max_queue": 1}, **kw) as server:
+        release = threading.Event()
+        blocked = server.served.worker.call(lambda: release.wait(60))  # the engine thread waits here
+        body = {"model": MODEL_ID, "prompt": "x", "max_tokens": 3}
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(server.post, "/v1/completions", json=body)
+            for _ in range(200):  # until the first request waits in the queue
+                if server.served.worker.jobs.qsize() == 1:
+                    break
+                threading.Event().wait(0.02)
+            openai_reply = server.post("/v1/completions", json=body)
+            anthropic_reply = server.post("/v1/messages", json={
+                "model": MODEL_ID, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})
+            release.set()
+            assert queued.result().status_code == 200
+        blocked.result(timeout=10)
+        assert server.post("/v1/completions", json=body).status_code == 200
+    assert openai_reply.status_code == 503 and openai_reply.headers["retry-after"] == "1"
+    assert openai_reply.json()["error"]["code"] == "queue_full"
+    assert openai_reply.json()["error"]["type"] == "server_error"
+    assert anthropic_reply.status_code == 503 and anthropic_reply.headers["retry-after"] == "1"
+    assert anthropic_reply.json()["type"] == "error"
+    assert anthropic_reply.json()["error"]["type"] == "overloaded_error"
