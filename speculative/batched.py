@@ -7,9 +7,12 @@ a RoPE offset per row), its Gated DeltaNet caches rows of ArraysCaches (no pad t
 recurrent state). Rows leave between rounds. Rollback is exact per row: a row's rejected KV slots
 are rolled into its own left padding, where the mask hides them (a zeroed key would still add e^0
 to the softmax denominator), and its GDN state is taken from its own position on the verify tape.
+
+Depth 0 is a plain batched round: the trunk alone over each row's pending token, no Round event
+(a round that drafts nothing is not a drafting round), the head's rows deferred until drafting resumes.
 """
 
-from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Union
+from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, dynamic_roll
@@ -28,6 +31,9 @@ from .verify import greedy_accept, lossless_accept
 
 # Left padding every row of a cache shares is dropped once it reaches this many slots.
 COMPACT_AT = 256
+# Depth-0 rounds owe the head this many rows at most before it runs over them in one pass: the
+# trunk hiddens they hold stay small, and drafting, when it resumes, starts from a short catch-up.
+HEAD_BACKLOG = 32
 
 
 # ---- the caches, row by row ----
@@ -144,6 +150,9 @@ class BatchSpeculator:
         self.head_cache: List = []  # batch caches, one per head layer
         self.pending: Optional[mx.array] = None  # [B] each row's emitted token the trunk has not seen
         self.head_hidden: Optional[mx.array] = None  # [B, 1, H] head output of each row's last committed row
+        # Head rows owed by depth-0 rounds, run in one pass when drafting resumes (or a row joins):
+        # per round ([B, 1] tokens, [B, 1, H] trunk hiddens), row b's pair = (token after position p, h_p).
+        self.backlog: List[Tuple[mx.array, mx.array]] = []
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -165,6 +174,7 @@ class BatchSpeculator:
         out = RowEvents([Token(row.generated[0], Provenance.PLAIN, row.scores[0])], self._finish(row, 1))
         if out.finish is not None:
             return out
+        self._catch_up_head()  # the rows already here owe head rows; the joiner owes none
         trunk, head = as_batch(row.trunk_cache), as_batch(row.head_cache)
         row.trunk_cache = row.head_cache = None  # the batch owns them now
         if self.ids:
@@ -190,17 +200,50 @@ class BatchSpeculator:
         self.rows = [self.rows[b] for b in indices]
         if not indices:
             self.trunk_cache, self.head_cache, self.pending, self.head_hidden = [], [], None, None
+            self.backlog = []
             return
         keep_rows(self.trunk_cache + self.head_cache, indices)
         index = mx.array(indices)
         self.pending, self.head_hidden = self.pending[index], self.head_hidden[index]
+        self.backlog = [(tokens[index], hidden[index]) for tokens, hidden in self.backlog]
+
+    def _catch_up_head(self) -> None:
+        """Run the head over the rows the depth-0 rounds deferred: every row owes the same count."""
+        if self.backlog:
+            tokens = mx.concatenate([t for t, _ in self.backlog], axis=1)
+            hidden = mx.concatenate([h for _, h in self.backlog], axis=1)
+            self.head_hidden = self.head(self.target.embed(tokens), hidden, self.head_cache)[:, -1:]
+            mx.async_eval(self.head_hidden)
+            self.backlog = []
+
+    def _plain_round(self) -> Dict[Hashable, RowEvents]:
+        """Depth 0: the trunk alone over each row's pending token (mlx-lm's own forward), each row's
+        token picked by its own rule and key; the head's row is owed, not run."""
+        hidden = self.target.hidden(self.pending[:, None], self.trunk_cache)  # [B, 1, H]
+        logits = self.target.lm_head(hidden)
+        nxt, processed = [], []
+        for b, row in enumerate(self.rows):
+            rows = row._process(logits[b])
+            nxt.append(row._pick_target(rows)[0].astype(self.pending.dtype))  # argmax, or a draw with the row's key
+            processed.append(rows)
+        nxt = mx.stack(nxt)
+        self.backlog.append((nxt[:, None], hidden))
+        if len(self.backlog) >= HEAD_BACKLOG:
+            self._catch_up_head()
+        mx.eval(nxt)  # the round's one host sync
+        self.pending = nxt
+        return self._emit(0, [1] * len(self.rows), [[] for _ in self.rows], nxt.tolist(), processed)
 
     def step(self, depth: int) -> Dict[Hashable, RowEvents]:
         """One round for every row at draft depth `depth`: draft, verify, accept and roll back per row.
 
-        Returns each row's Round and tokens; rows that reached EOS or max_tokens have left."""
+        Returns each row's Round and tokens; rows that reached EOS or max_tokens have left.
+        Depth 0 is a plain round: each row's next token, no Round event."""
         if not self.ids:
             return {}
+        if depth == 0:
+            return self._plain_round()
+        self._catch_up_head()
         k, B = depth, len(self.ids)
         head_start = self.head_cache[0].size()
         drafts, draft_probs = self.draft(k)  # [B, k], per row [k, V] or None
@@ -267,16 +310,18 @@ class BatchSpeculator:
             accepted = drafts[b][: kept[b] - 1]
             tokens = accepted + [nxt[b]]
             scores = row._scored(processed[b], tokens)
-            provenance = [Provenance.DRAFT] * len(accepted) + [
-                Provenance.BONUS if len(accepted) == k else Provenance.CORRECTION]
-            events, finish = [Round(k, len(accepted))], None
+            last = Provenance.PLAIN if k == 0 else Provenance.BONUS if len(accepted) == k else Provenance.CORRECTION
+            provenance = [Provenance.DRAFT] * len(accepted) + [last]
+            events, finish = ([Round(k, len(accepted))] if k else []), None
+            sent = 0
             for t, p, s in zip(tokens, provenance, scores):
                 row.generated.append(t)
                 events.append(Token(t, p, s))
+                sent += 1
                 finish = self._finish(row, len(row.generated))
                 if finish is not None:
                     break
-            row.generated += tokens[len(events) - 1 :]  # committed past the cut: the row leaves anyway
+            row.generated += tokens[sent:]  # committed past the cut: the row leaves anyway
             out[row_id] = RowEvents(events, finish)
             if finish is None:
                 staying.append(b)

@@ -32,7 +32,12 @@ def add_commands(sub) -> None:
     b.add_argument("--max-tokens", type=int, default=200)
     b.add_argument("--pairs", type=int, default=5, help="measured cycles per prompt (default: %(default)s)")
     b.add_argument("--draft-vocab", type=draft_vocab, default=ModelOptions.draft_vocab, metavar="N|auto|full", help=DRAFT_VOCAB_HELP)
-    b.add_argument("--json", metavar="FILE", help="write the JSON record here")
+    b.add_argument("--concurrency", metavar="N,N,...",
+                   help="instead: the suite's prompts as N concurrent rows (e.g. 1,2,4,8): Dyno batched drafting "
+                        "against Dyno batched plain, mlx-lm's BatchGenerator and serial drafting")
+    b.add_argument("--draft-depth", default="auto", metavar="N|auto",
+                   help="with --concurrency: the batched depth, pinned, or chosen each round by cost (default: auto)")
+    b.add_argument("--json", "--out", dest="json", metavar="FILE", help="write the JSON record here")
     b.add_argument("--plot", metavar="FILE", help="write a Plotly chart (FILE.html, and FILE.png if kaleido works)")
     b.set_defaults(func=cmd_bench)
     t = sub.add_parser("tune", help="measure the best draft depth for a model on this machine and store it",
@@ -50,6 +55,7 @@ def cmd_tune(args) -> int:
     from speculative import load_model
     from speculative.measure.bench import paired_benchmark
     from speculative.config import SamplingParams, SpecConfig
+    from speculative.measure.batch_cost import measure_batch_costs
     from speculative.measure.tuning import store, tune_file
 
     # The depth is measured here (none settled at load) and stored for this draft vocabulary.
@@ -58,16 +64,27 @@ def cmd_tune(args) -> int:
     vocab = spec.draft_vocab
     depths = [1, 2, 3, 4]
     ratios = {k: [] for k in depths}
+    results = []
     for item in SUITES["code"][:2]:
         res = paired_benchmark(lm, encode(lm.tokenizer, item), SamplingParams(max_tokens=args.max_tokens), depths,
                                pairs=args.pairs, with_off=False, draft_vocab=vocab)
+        results.append(res)
         for k in depths:
             ratios[k].append(res["settings"][f"mtp@{k}"]["ratio"]["median"])
     speedup = {k: statistics.median(v) for k, v in ratios.items()}
     best = max(speedup, key=speedup.get)
-    store(lm, best, {"source": "measured", "speedup": speedup}, vocab)
+    acceptance = GenerationStats()  # the deepest setting's rounds, pooled: the batched policy's prior
+    for res in results:
+        s = res["settings"][f"mtp@{max(depths)}"]
+        acceptance.merge(GenerationStats.from_counts(s["rounds"], s["accepted_per_position"], s["drafted_per_position"]))
+    costs = measure_batch_costs(lm, encode(lm.tokenizer, SUITES["code"][0]), reps=7, draft_vocab=vocab)
+    store(lm, best, {"source": "measured", "speedup": speedup, "acceptance": acceptance.acceptance_by_position(),
+                     "batch_costs": costs.as_json()}, vocab)
     for k in depths:
         print(f"depth {k}: {speedup[k]:.2f}x vs plain mlx-lm" + ("  <- best" if k == best else ""))
+    widths = " ".join(f"{b} rows: {round(costs.V(b, 1) * 1e3, 1)}-{round(costs.V(b, costs.max_depth + 1) * 1e3, 1)}ms"
+                      for b in sorted(costs.verify))
+    print(f"batched verify cost (depth 0-{costs.max_depth}): {widths}")
     print(f"stored depth {best} for {lm.path} in {tune_file()}")
     return 0
 
@@ -89,6 +106,8 @@ def _machine() -> dict:
 
 
 def cmd_bench(args) -> int:
+    if args.concurrency:
+        return cmd_concurrent(args)
     from speculative.measure.bench import paired_benchmark
     from speculative.measure.cost_model import cost_model, speedup_bound
     from speculative.config import MAX_DRAFT_DEPTH, SamplingParams, SpecConfig
@@ -239,3 +258,61 @@ def _plot(record, path: str) -> None:
         print(f"wrote {base}.html and {base}.png", file=sys.stderr)
     except Exception as e:  # kaleido missing or unable to start: the HTML still stands
         print(f"wrote {base}.html (no PNG: {str(e).splitlines()[0] if str(e) else type(e).__name__})", file=sys.stderr)
+
+
+def cmd_concurrent(args) -> int:
+    """`dyno bench --concurrency 1,2,4,8`: the suite's prompts as N rows at once, four settings, paired."""
+    from speculative import load_model
+    from speculative.config import SamplingParams, SpecConfig
+    from speculative.measure.batch_bench import concurrent_benchmark
+    from speculative.measure.batch_cost import resolve_policy
+    from speculative.measure.tuning import resolve_depth
+
+    try:
+        widths = [int(n) for n in args.concurrency.split(",")]
+    except ValueError:
+        raise DynoError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
+    if any(n < 1 for n in widths) or args.pairs < 1:
+        raise DynoError("--concurrency and --pairs must be at least 1")
+    if args.draft_depth != "auto" and not args.draft_depth.isdigit():
+        raise DynoError(f"--draft-depth must be a number or auto, got {args.draft_depth!r}")
+    lm, spec = load_model(args.model or default_model(), mode="mtp", head_bits=args.mtp_head_bits, notify=notify,
+                          draft_depth=SpecConfig.draft_depth, draft_vocab=args.draft_vocab)
+    vocab = spec.draft_vocab
+    serial_depth = resolve_depth(lm, args.draft_depth, vocab)
+    policy = resolve_policy(lm, args.draft_depth, vocab)
+    pool = [item for suite in (SUITES if args.suite == "all" else [args.suite]) for item in SUITES[suite]]
+    params = SamplingParams(temperature=args.temp[0], top_p=args.top_p if args.temp[0] else 1.0,
+                            top_k=args.top_k if args.temp[0] else 0, max_tokens=args.max_tokens, seed=0)
+    record = {"machine": _machine(), "model": str(lm.path), "quantization": lm.config.get("quantization"),
+              "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "settings": {"concurrency": widths, "suite": args.suite, "temperature": args.temp[0],
+                           "max_tokens": args.max_tokens, "pairs": args.pairs, "draft_depth": args.draft_depth,
+                           "serial_depth": serial_depth, "draft_vocab_tokens": vocab},
+              "batch_costs": policy.costs.as_json() if policy.costs else None, "results": []}
+    for n in widths:
+        prompts = [encode(lm.tokenizer, pool[i % len(pool)]) for i in range(n)]
+        print(f"[{n} concurrent] ...", file=sys.stderr, flush=True)
+        res = concurrent_benchmark(lm, prompts, params, policy, serial_depth, pairs=args.pairs, draft_vocab=vocab)
+        record["results"].append({"concurrency": n, "settings": res})
+    record["acceptance"] = policy.acceptance()
+    _print_concurrent(record)
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _print_concurrent(record) -> None:
+    print(f"{'clients':>7} {'setting':14} {'tok/s':>7} {'vs plain':>17} {'vs mlx-lm':>17} {'latency':>8} "
+          f"{'TTFT':>7} {'same':>5}  depths (rounds)")
+    for res in record["results"]:
+        for name, s in res["settings"].items():
+            ratio = lambda r: f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"  # noqa: E731
+            same = {True: "yes", False: "NO", None: "-"}[s["identical"]]
+            depths = " ".join(f"{k}:{n}" for k, n in s["depths"].items()) or "-"
+            print(f"{res['concurrency']:>7} {name:14} {s['tokens_per_s']['median']:>7.1f} {ratio(s['vs_plain']):>17} "
+                  f"{ratio(s['vs_mlx_lm']):>17} {s['latency_s']:>7.2f}s {s['ttft_s']:>6.3f}s {same:>5}  {depths}")
+        best = max(res["settings"]["dyno plain"]["tokens_per_s"]["median"], res["settings"]["dyno serial"]["tokens_per_s"]["median"])
+        print(f"{'':>7} drafting / best of (serial, plain): "
+              f"{res['settings']['dyno drafting']['tokens_per_s']['median'] / best:.2f}x")

@@ -221,3 +221,70 @@ def test_rows_sampled_side_by_side_follow_the_model(tiny_lm):
     for i in prompts:
         stat, dof = chi_square(counts[i], joints[i], n)
         assert stat < chi2.isf(FALSE_ALARM, dof), (i, stat, dof)
+
+
+def drive_schedule(batch, depths, joins, limit=1000):
+    """As `drive`, with round r at depth depths[r % len(depths)]."""
+    events, finish = {}, {}
+    rounds = 0
+    while (batch or any(r >= rounds for r in joins)) and rounds < limit:
+        for row_id, prompt, params in joins.get(rounds, []):
+            out = batch.join(row_id, prompt, params)
+            events[row_id] = list(out.events)
+        for row_id, out in batch.step(depths[rounds % len(depths)]).items():
+            events[row_id] += out.events
+            if out.finish:
+                finish[row_id] = out.finish
+        rounds += 1
+    return events, finish
+
+
+@pytest.mark.parametrize("name", ["dyno-tiny", "dyno-tiny-moe"])
+@pytest.mark.parametrize("depths", [[0], [0, 3, 1, 0, 2], [0, 0, 0, 2, 0, 0, 3, 3, 0, 1]])
+def test_depth_zero_and_changing_depths_stay_plain_greedy(bundled, monkeypatch, name, depths):
+    """Depth 0 is a plain batched round; rounds switch between it and drafting (the head catches up
+    on the rows plain rounds deferred, here every two), rows join and leave in between: every row is
+    plain greedy."""
+    monkeypatch.setattr(batched, "HEAD_BACKLOG", 2)
+    lm = bundled(name)
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+    limits = [60, 70, 40, 25]
+    joins = {0: [(i, prompts[i], SamplingParams(max_tokens=limits[i])) for i in (0, 1)],
+             3: [(2, prompts[2], SamplingParams(max_tokens=limits[2]))],
+             7: [(3, prompts[3], SamplingParams(max_tokens=limits[3]))]}
+    events, finish = drive_schedule(BatchSpeculator(lm), depths, joins)
+    for i, prompt in enumerate(prompts):
+        want = plain_greedy(lm, prompt, limits[i])
+        assert tokens(events[i]) == want, f"row {i}"
+        assert finish[i] == ("stop" if want[-1] in lm.eos_token_ids else "length")
+
+
+def test_depth_zero_rounds_are_not_drafting_rounds(bundled):
+    """A depth-0 round emits no Round and a PLAIN token, so tokens per round and acceptance count the
+    drafting rounds alone; a row at depth 0 throughout folds as plain decoding."""
+    lm = bundled("dyno-tiny")
+    prompt = lm.tokenizer.encode(PROMPTS[0])
+    events, _ = drive_schedule(BatchSpeculator(lm), [0], {0: [("p", prompt, SamplingParams(max_tokens=20))]})
+    assert not any(isinstance(e, Round) for e in events["p"])
+    assert {e.provenance for e in events["p"]} == {Provenance.PLAIN}
+    plain = GenerationStats()
+    for e in events["p"]:
+        plain.add(e)
+    assert not plain.speculative and plain.tokens_per_round is None
+    events, _ = drive_schedule(BatchSpeculator(lm), [3, 0], {0: [("m", prompt, SamplingParams(max_tokens=40))]})
+    mixed = GenerationStats()
+    for e in events["m"]:
+        mixed.add(e)
+    drafting = [e for e in events["m"] if isinstance(e, Round)]
+    assert all(r.drafted == 3 for r in drafting)
+    assert mixed.rounds == len(drafting) and mixed.tokens_per_round == 1 + mixed.accepted_tokens / len(drafting)
+
+
+def test_a_seeded_row_draws_the_same_alone_and_beside_others_at_depth_zero(bundled):
+    lm = bundled("dyno-tiny")
+    prompt = lm.tokenizer.encode(PROMPTS[0])
+    alone, _ = drive_schedule(BatchSpeculator(lm), [0, 2], {0: [("s", prompt, SAMPLED)]})
+    other = [("g", lm.tokenizer.encode(PROMPTS[2]), SamplingParams(max_tokens=30)),
+             ("t", lm.tokenizer.encode(PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=50))]
+    beside, _ = drive_schedule(BatchSpeculator(lm), [0, 2], {0: [("s", prompt, SAMPLED)] + other})
+    assert tokens(alone["s"]) == tokens(beside["s"]) and len(tokens(alone["s"])) == SAMPLED.max_tokens

@@ -1,6 +1,7 @@
 """The benchmark's own logic: ratios, bounds, the cost model and the JSON record."""
 
 import json
+import os
 import shutil
 import time
 
@@ -97,3 +98,21 @@ def test_table_pools_acceptance_over_prompts():
                           {"suite": "code", "temperature": 0.0, "settings": {"mtp@2": setting(30, [0.5, 0.1])}}]}
     (row,) = _aggregate(record)
     assert row["acceptance"] == pytest.approx([(10 * 1.0 + 30 * 0.5) / 40, (10 * 0.5 + 30 * 0.1) / 40])
+
+
+def test_concurrent_bench_runs_rows_together_with_identical_texts(tmp_path):
+    """`dyno bench --concurrency`: four settings per width, greedy texts identical to mlx-lm's
+    BatchGenerator, the depths the policy chose recorded."""
+    out = tmp_path / "concurrent.json"
+    env = dict(os.environ, DYNO_CACHE=str(tmp_path))
+    r = dyno("bench", "--concurrency", "1,2", "--pairs", "1", "--max-tokens", "16", "--out", str(out), env=env)
+    assert r.returncode == 0, r.stderr
+    record = json.loads(out.read_text())
+    assert [res["concurrency"] for res in record["results"]] == [1, 2]
+    for res in record["results"]:
+        assert set(res["settings"]) == {"mlx-lm batch", "dyno plain", "dyno drafting", "dyno serial"}
+        assert all(s["identical"] is True for s in res["settings"].values())
+        assert sum(res["settings"]["dyno drafting"]["depths"].values()) > 0
+        assert set(res["settings"]["dyno plain"]["depths"]) == {"0"}
+    assert "dyno drafting" in r.stdout and "drafting / best of (serial, plain)" in r.stdout
+    assert record["batch_costs"]["V"] and record["settings"]["serial_depth"] >= 1

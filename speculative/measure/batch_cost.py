@@ -1,0 +1,248 @@
+"""The batched cost model and the depth each round drafts at.
+
+V(B, t): seconds for one round's trunk pass over B rows of t = k+1 tokens (at t = 1 the plain
+forward of a depth-0 round; at t > 1 the verify pass and the head's rows after it). D(B): seconds
+per draft step for B rows (the head's pick and its next row). A round at depth k for B rows then
+delivers B * E(k) tokens in V(B, k+1) + k * D(B) seconds, E(k) = 1 + the acceptance at positions
+1..k (E(0) = 1). DepthPolicy picks the k in 0..K that delivers the most tokens per second, with the
+acceptance learned from the rounds it sees; as rows are added a verify pass fills up, the draft
+costs grow with it, and at some width depth 0 (plain batched decoding) wins.
+"""
+
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+from ..batched import BatchSpeculator
+from ..config import SamplingParams
+from ..draft_vocab.head import greedy_token
+from ..events import Round
+from ..loader import LoadedModel
+from .cost_model import interleaved
+from .tuning import ESTIMATE_PROMPT, PRIOR_DECAY, PRIOR_FIRST, resolve_depth, store, stored
+
+WIDTHS = (1, 2, 4, 8)  # batch widths measured; others are interpolated
+MAX_DEPTH = 4  # deepest depth the policy considers
+# The prior counts as this many rounds at each position: the measured acceptance takes over
+# within a few rounds, and a position drafted rarely keeps near the prior.
+PRIOR_ROUNDS = 8.0
+# Each observed round's counts weigh this much less per later round: acceptance follows the text
+# being written (code, prose, a repeated passage), so recent rounds speak for the next one.
+FORGET = 0.99
+
+
+def interpolate(table: Dict[int, float], width: int) -> float:
+    """table[width], linear between the measured widths around it, extended along the last two beyond."""
+    if width in table:
+        return table[width]
+    ws = sorted(table)
+    if len(ws) == 1:
+        return table[ws[0]] * width / ws[0]
+    lo, hi = (ws[0], ws[1]) if width < ws[0] else (ws[-2], ws[-1]) if width > ws[-1] else next(
+        (a, b) for a, b in zip(ws, ws[1:]) if a < width < b)
+    return table[lo] + (table[hi] - table[lo]) * (width - lo) / (hi - lo)
+
+
+class BatchCosts:
+    """Measured V(B, t) and D(B) in seconds, with V for unmeasured widths interpolated."""
+
+    def __init__(self, verify: Dict[int, Dict[int, float]], draft: Dict[int, float]):
+        self.verify = {int(b): {int(t): float(s) for t, s in row.items()} for b, row in verify.items()}
+        self.draft = {int(b): float(s) for b, s in draft.items()}
+
+    @property
+    def max_depth(self) -> int:
+        return min(max(row) for row in self.verify.values()) - 1
+
+    def V(self, width: int, tokens: int) -> float:
+        """Seconds of one round's trunk pass over `width` rows of `tokens` tokens each."""
+        return interpolate({b: row[tokens] for b, row in self.verify.items()}, width)
+
+    def D(self, width: int) -> float:
+        """Seconds per draft step for `width` rows."""
+        return interpolate(self.draft, width)
+
+    def as_json(self) -> dict:
+        return {"V": {str(b): {str(t): s for t, s in row.items()} for b, row in self.verify.items()},
+                "D": {str(b): s for b, s in self.draft.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "BatchCosts":
+        return cls(data["V"], data["D"])
+
+
+def tokens_per_second(costs: BatchCosts, acceptance: Sequence[float], width: int, k: int) -> float:
+    """B * E(k) / (V(B, k+1) + k * D(B)): what a round at depth k delivers per second."""
+    expected = 1.0 + sum(acceptance[:k])
+    return width * expected / (costs.V(width, k + 1) + k * costs.D(width))
+
+
+def best_depth(costs: BatchCosts, acceptance: Sequence[float], width: int, max_depth: int) -> int:
+    """The depth in 0..max_depth with the most tokens per second (the shallower on a tie)."""
+    depths = range(min(max_depth, costs.max_depth, len(acceptance)) + 1)
+    return max(depths, key=lambda k: (tokens_per_second(costs, acceptance, width, k), -k))
+
+
+class DepthPolicy:
+    """Each round's draft depth for the rows in the batch: `depth_for(width)`, then `observe` the round.
+
+    `pinned` (a `--draft-depth N`) fixes the depth; otherwise the best by cost, with acceptance
+    learned online from the rounds observed, starting from `prior` (rates at positions 1, 2, ...).
+    """
+
+    def __init__(self, costs: Optional[BatchCosts], prior: Sequence[float], max_depth: int = MAX_DEPTH,
+                 pinned: Optional[int] = None):
+        if costs is None and pinned is None:
+            raise ValueError("a depth policy needs costs or a pinned depth")
+        self.costs, self.pinned, self.max_depth = costs, pinned, max_depth
+        self.prior = list(prior)[:max_depth] + [0.0] * (max_depth - len(prior))
+        self.accepted = [0.0] * max_depth  # decayed counts per position
+        self.drafted = [0.0] * max_depth
+        self.chosen: Dict[int, Dict[int, int]] = {}  # width -> depth -> rounds: what was picked over time
+
+    def acceptance(self) -> List[float]:
+        """Acceptance rate per draft position: the observed rounds, with the prior as PRIOR_ROUNDS more."""
+        return [(a + PRIOR_ROUNDS * p) / (d + PRIOR_ROUNDS)
+                for a, d, p in zip(self.accepted, self.drafted, self.prior)]
+
+    def depth_for(self, width: int) -> int:
+        """The depth to draft at this round for `width` rows (0: a plain batched round)."""
+        if self.pinned is not None:
+            k = self.pinned
+        elif width <= 0:
+            k = 0
+        else:
+            k = best_depth(self.costs, self.acceptance(), width, self.max_depth)
+        counts = self.chosen.setdefault(width, {})
+        counts[k] = counts.get(k, 0) + 1
+        return k
+
+    def observe(self, events: Iterable) -> None:
+        """Fold one round's events (any mix; its Round events count): which positions each row
+        drafted and which the trunk accepted."""
+        rounds = [e for e in events if isinstance(e, Round) and e.drafted]
+        if not rounds:
+            return
+        self.accepted = [a * FORGET for a in self.accepted]
+        self.drafted = [d * FORGET for d in self.drafted]
+        for r in rounds:
+            for i in range(min(r.drafted, self.max_depth)):
+                self.drafted[i] += 1
+                self.accepted[i] += i < r.accepted
+
+    def expected_rates(self, width: int) -> Dict[int, float]:
+        """Tokens per second at each depth for `width` rows, as the policy sees them now."""
+        if self.costs is None:
+            return {}
+        acceptance = self.acceptance()
+        return {k: tokens_per_second(self.costs, acceptance, width, k)
+                for k in range(min(self.max_depth, self.costs.max_depth) + 1)}
+
+
+# ---- measuring on this model and machine ----
+
+def _snapshot(caches: List) -> list:
+    """What `_restore` needs: a batch KV cache's write index and offsets, an ArraysCache's arrays."""
+    return [(c._idx, c.offset + 0) if isinstance(c, BatchKVCache) else list(c.cache) for c in caches]
+
+
+def _restore(caches: List, snap: list) -> None:
+    for c, s in zip(caches, snap):
+        if isinstance(c, BatchKVCache):
+            c._idx, c.offset = s[0], s[1] + 0
+        else:
+            c.cache = list(s)
+
+
+def measure_batch_costs(lm: LoadedModel, prompt: Sequence[int], widths: Sequence[int] = WIDTHS,
+                        max_depth: int = MAX_DEPTH, reps: int = 5, burst: int = 1,
+                        draft_vocab: Optional[int] = None) -> BatchCosts:
+    """V(B, t) for t in 1..max_depth+1 and D(B), each B rows of `prompt` in a BatchSpeculator's caches.
+
+    Each builder queues one pass's graph and rewinds the caches, so every call sees the same context;
+    the timing is cost_model's (round-robin bursts, medians).
+    """
+    builders = {}
+    keep = []  # the batches stay alive while their builders are timed
+    for width in widths:
+        batch = BatchSpeculator(lm, draft_vocab=draft_vocab)
+        for b in range(width):
+            batch.join(b, prompt, SamplingParams(max_tokens=1 << 20))
+        keep.append(batch)
+        builders.update(_builders(batch, width, max_depth))
+    t = interleaved(builders, reps, burst)
+    verify = {b: {n: t[("V", b, n)] for n in range(1, max_depth + 2)} for b in widths}
+    return monotone(BatchCosts(verify, {b: t[("D", b)] for b in widths}))
+
+
+def monotone(costs: BatchCosts) -> BatchCosts:
+    """The costs made non-decreasing in tokens and in rows (a running maximum): more work never
+    costs less, and a timing the machine's noise pushed below a smaller pass's is that pass's."""
+    ws = sorted(costs.verify)
+    verify, draft = {}, {}
+    for i, b in enumerate(ws):
+        row, floor = {}, 0.0
+        for t in sorted(costs.verify[b]):
+            floor = max(floor, costs.verify[b][t], verify[ws[i - 1]][t] if i else 0.0)
+            row[t] = floor
+        verify[b] = row
+        draft[b] = max(costs.draft[b], draft[ws[i - 1]] if i else 0.0)
+    return BatchCosts(verify, draft)
+
+
+def _builders(batch: BatchSpeculator, width: int, max_depth: int) -> dict:
+    target, head = batch.target, batch.head
+    trunk, heads = batch.trunk_cache, batch.head_cache
+    trunk_snap, head_snap = _snapshot(trunk), _snapshot(heads)
+    pending, g = batch.pending[:, None], batch.head_hidden
+
+    def plain():  # a depth-0 round: mlx-lm's forward over one token per row
+        out = mx.argmax(target.lm_head(target.hidden(pending, trunk)), axis=-1)
+        _restore(trunk, trunk_snap)
+        return out
+
+    def verify(t):
+        def build():  # a drafting round's trunk pass and the head's rows after it
+            tokens = mx.repeat(pending, t, axis=1)
+            logits, hidden, tapes = target.verify(tokens, trunk)
+            rows = head(target.embed(tokens), hidden, heads)
+            _restore(trunk, trunk_snap)
+            _restore(heads, head_snap)
+            return [mx.argmax(logits, axis=-1), rows] + [tp.states[-1] if tp.states else tp.conv_input for tp in tapes]
+        return build
+
+    def draft():  # one draft step: the pick and the head's next row
+        d = greedy_token(batch.draft_lm_head, g[:, -1])
+        out = head(target.embed(d[:, None]), g, heads)
+        _restore(heads, head_snap)
+        return out
+
+    out = {("V", width, 1): plain, ("D", width): draft}
+    out.update({("V", width, t): verify(t) for t in range(2, max_depth + 2)})
+    return out
+
+
+def prior_acceptance(lm: LoadedModel, draft_vocab: Optional[int] = None) -> List[float]:
+    """Acceptance by position before any round: the tuned or estimated one stored, else the prior."""
+    found = stored(lm, draft_vocab) or {}
+    return list(found.get("acceptance") or [PRIOR_FIRST * PRIOR_DECAY**i for i in range(MAX_DEPTH)])
+
+
+def resolve_policy(lm: LoadedModel, requested, draft_vocab: Optional[int] = None) -> DepthPolicy:
+    """`--draft-depth N`: a policy pinned at N; "auto": the costs `dyno tune` stored, else a quick
+    measurement (a few seconds; stored with the entry, so the next start reads it)."""
+    if requested != "auto":
+        return DepthPolicy(None, [], pinned=int(requested))
+    found = stored(lm, draft_vocab)
+    if not found:  # the single-request estimate first: its acceptance is this policy's prior
+        resolve_depth(lm, "auto", draft_vocab)
+        found = stored(lm, draft_vocab) or {}
+    prior = prior_acceptance(lm, draft_vocab)
+    if found.get("batch_costs"):
+        return DepthPolicy(BatchCosts.from_json(found["batch_costs"]), prior)
+    prompt = lm.tokenizer.encode(ESTIMATE_PROMPT) or [0]
+    costs = measure_batch_costs(lm, prompt, reps=3, draft_vocab=draft_vocab)
+    details = {k: v for k, v in found.items() if k not in ("depth", "draft_vocab")}
+    store(lm, int(found.get("depth", 1)), {**details, "batch_costs": costs.as_json()}, draft_vocab)
+    return DepthPolicy(costs, prior)
