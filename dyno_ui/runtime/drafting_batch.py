@@ -6,7 +6,8 @@ allows (admission.py); each is prefilled alone from the prompt cache's longest p
 after its prompt is kept there for later requests (the state a row reaches by the end is not: the
 batch drops a row's caches when it finishes). Rows leave at EOS, max_tokens, a stop string, a cancel,
 or an error of their own (its processors or its output raising): that row fails, the others go on.
-Each round's depth is the worker's depth_for(width).
+Each round's depth is the worker's DepthPolicy's for the rows in it (pinned by --draft-depth N, else
+chosen by measured cost, 0 included), and the policy learns acceptance from the rounds it sees.
 """
 
 import logging
@@ -92,7 +93,7 @@ class DraftingBatch:
             if not self.active:
                 continue
             width = len(self.batch)
-            depth = w.depth_for(width)
+            depth = w.policy.depth_for(width)
             try:
                 rounds = self.batch.step(depth)
             except Exception as e:  # not attributable to one request: fail the batch, keep serving
@@ -105,6 +106,7 @@ class DraftingBatch:
                 w.metrics.set_width(0)
                 continue
             w.metrics.record_round(width, depth)
+            w.policy.observe(e for out in rounds.values() for e in out.events)
             for row, out in rounds.items():
                 self.active[row].stats.add_width(width)
                 self._deliver(row, out)
@@ -134,11 +136,11 @@ class DraftingBatch:
                 if w._settled_in_queue(job) or w._stale(job):
                     continue
             tokens = len(job.prompt) + job.params.max_tokens
-            if not self.admission.fits(self.bytes.values(), tokens, w.spec.draft_depth):
+            if not self.admission.fits(self.bytes.values(), tokens, w.policy.deepest):
                 self.held = job  # first come, first served: later jobs wait behind it
                 return True
             self.held = None
-            self._join(job, self.admission.memory.row(tokens, w.spec.draft_depth))
+            self._join(job, self.admission.memory.row(tokens, w.policy.deepest))
         return True
 
     def _join(self, job, nbytes: int) -> None:

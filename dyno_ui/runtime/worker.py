@@ -33,6 +33,7 @@ from speculative import distributed
 from speculative.engine import generate, scored
 from speculative.events import Done, Provenance, Round, Token, TokenLogprobs
 from speculative.loader import LoadedModel
+from speculative.measure.batch_cost import DepthPolicy
 from speculative.prompt_cache.store import Checkpoint, PrefixCache, entry_from, owned, recurrent_state
 from speculative.prompt_cache.disk import prompt_store
 from speculative.processors import processors_for
@@ -105,15 +106,17 @@ class EngineWorker:
     def __init__(self, load: Callable[[], Tuple[LoadedModel, SpecConfig]], decode_concurrency: int = 1,
                  prompt_cache_bytes: Optional[int] = None, prompt_cache_dir: Optional[Path] = None,
                  prompt_cache_disk_bytes: Optional[int] = None, max_queue: int = MAX_QUEUE,
-                 max_batch_memory: Optional[int] = None, depth_for: Optional[Callable[[int], int]] = None):
+                 max_batch_memory: Optional[int] = None,
+                 depth_policy: Optional[Callable[[LoadedModel, SpecConfig], DepthPolicy]] = None):
         self.load = load  # runs on the engine thread: loading and depth tuning are MLX work too
         self.spec = SpecConfig()
         self.concurrency = decode_concurrency
         self.max_queue = max_queue
         self.max_batch_memory = max_batch_memory  # None: admission.default_batch_memory()
-        # The draft depth of a batched round of `width` rows (the seam for a cost-model policy;
-        # by default the configured depth whatever the width).
-        self.depth_for: Callable[[int], int] = depth_for or self.configured_depth
+        # Batched drafting's depth per round: made on the engine thread once the model is loaded
+        # (measuring costs is MLX work); by default pinned at the depth the model was loaded with.
+        self.depth_policy = depth_policy or (lambda lm, spec: DepthPolicy(None, [], pinned=spec.draft_depth))
+        self.policy: Optional[DepthPolicy] = None
         # The prompt cache: made for each model once it is loaded (its disk folder is per model).
         self.prompt_cache_options = (prompt_cache_bytes, prompt_cache_dir, prompt_cache_disk_bytes)
         self.prefix_cache: Optional[PrefixCache] = None
@@ -134,10 +137,6 @@ class EngineWorker:
     def drafting(self) -> bool:
         """True when requests are decoded with MTP drafts (a head loaded, speculation not off)."""
         return self.spec.mode != "off" and self.lm is not None and self.lm.head is not None
-
-    def configured_depth(self, width: int) -> int:
-        """The draft depth the model was loaded with, for a round of any width."""
-        return self.spec.draft_depth
 
     def start(self) -> LoadedModel:
         """Start the thread, load the model on it, and return it (load errors are raised here)."""
@@ -236,6 +235,8 @@ class EngineWorker:
             self.lm, self.spec = self.load()
             self.eos = self.lm.eos_token_ids
             self.metrics = ServerMetrics(self.spec.draft_depth if self.drafting else None)
+            if self.concurrency > 1 and self.drafting:
+                self.policy = self.depth_policy(self.lm, self.spec)
             self._new_prompt_cache()
             return True
         except BaseException as e:

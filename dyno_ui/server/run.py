@@ -19,7 +19,10 @@ log = logging.getLogger("dyno.serve")
 def describe(worker) -> str:
     """How requests are decoded, for the startup line."""
     if worker.concurrency > 1 and worker.drafting:
-        return f"batched MTP drafting of up to {worker.concurrency} requests, depth {worker.spec.draft_depth}"
+        policy = worker.policy
+        depth = (f"depth {policy.pinned}" if policy.pinned is not None
+                 else f"depth 0-{policy.deepest} chosen each round by measured cost")
+        return f"batched MTP drafting of up to {worker.concurrency} requests, {depth}"
     if worker.concurrency > 1:
         return f"batched decoding of up to {worker.concurrency} requests, no drafting"
     ranks = worker.lm.ranks if worker.lm is not None else None
@@ -109,6 +112,8 @@ def run(options: ServeOptions) -> int:
 
     from speculative import distributed, load_model
 
+    from speculative.measure.batch_cost import resolve_policy
+
     from ..runtime.served import ServedModel
     from ..runtime.worker import EngineWorker
 
@@ -132,7 +137,8 @@ def run(options: ServeOptions) -> int:
                           prompt_cache_bytes=0 if split else options.prompt_cache_bytes,
                           prompt_cache_dir=None if split else options.prompt_cache_dir,
                           prompt_cache_disk_bytes=options.prompt_cache_disk_bytes, max_queue=options.max_queue,
-                          max_batch_memory=options.max_batch_memory)
+                          max_batch_memory=options.max_batch_memory,
+                          depth_policy=lambda lm, spec: resolve_policy(lm, m.draft_depth, spec.draft_vocab))
     lm = worker.start()  # notices were printed while loading
     served = ServedModel(id=lm.path.name, lm=lm, worker=worker, default_max_tokens=options.max_tokens_default,
                          created=int(time.time()), names=options.served_model_names)

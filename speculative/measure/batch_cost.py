@@ -101,6 +101,13 @@ class DepthPolicy:
         self.drafted = [0.0] * max_depth
         self.chosen: Dict[int, Dict[int, int]] = {}  # width -> depth -> rounds: what was picked over time
 
+    @property
+    def deepest(self) -> int:
+        """The deepest depth a round may draft at (what a row's memory is sized for)."""
+        if self.pinned is not None:
+            return self.pinned
+        return min(self.max_depth, self.costs.max_depth)
+
     def acceptance(self) -> List[float]:
         """Acceptance rate per draft position: the observed rounds, with the prior as PRIOR_ROUNDS more."""
         return [(a + PRIOR_ROUNDS * p) / (d + PRIOR_ROUNDS)

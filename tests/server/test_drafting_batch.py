@@ -19,6 +19,8 @@ from dyno_ui.runtime.textstream import TextAssembler
 from dyno_ui.runtime.worker import Job
 from helpers.serving import MODEL_ID, running_server
 from speculative.config import SamplingParams, SpecConfig
+from speculative.measure.batch_cost import BatchCosts, DepthPolicy
+from dyno_ui.server.run import describe
 
 pytestmark = pytest.mark.e2e
 
@@ -175,6 +177,28 @@ def test_rows_wait_for_memory_and_still_get_their_answers(serial):
             got = list(pool.map(lambda i: completion(tight, f"def m{i}(x):", 10 + i)[:2], range(3)))
         assert got == want
         assert tight.stats()["batch"]["max_width"] == 1  # a row alone always fits; two never do
+
+
+def test_the_depth_policy_picks_each_rounds_depth_by_width(serial):
+    """Costs where a verify pass is free alone and dear beside others: alone a row drafts at 3, in
+    company at 0 (plain batched rounds); every answer is still the one serial drafting gives."""
+    flat, steep = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}, {1: 1.0, 2: 10.0, 3: 10.0, 4: 10.0}
+    costs = BatchCosts({1: flat, 2: steep, 4: steep}, {1: 0.01, 2: 0.01, 4: 0.01})
+    policy = lambda lm, spec: DepthPolicy(costs, [0.9, 0.9, 0.9], max_depth=3)  # noqa: E731
+    prompts = [(f"def p{i}(x):", 12 + 3 * i) for i in range(3)]
+    want = [completion(serial, *p)[:2] for p in prompts]
+    with running_server(BUNDLED_MODEL, SPEC, decode_concurrency=4, drafting_batch=True,
+                        worker_kw={"depth_policy": policy}) as server:
+        assert describe(server.served.worker) == (
+            "batched MTP drafting of up to 4 requests, depth 0-3 chosen each round by measured cost")
+        assert completion(server, *prompts[0])[:2] == want[0]
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda p: completion(server, *p)[:2], prompts))
+        by_depth = server.stats()["batch"]["rounds_by_depth"]
+        chosen = server.served.worker.policy.chosen
+    assert got == want
+    assert set(by_depth) == {"0", "3"}
+    assert set(chosen[1]) == {3} and all(set(chosen[w]) == {0} for w in chosen if w > 1)
 
 
 @pytest.mark.parametrize("drafting", [True, False], ids=["drafting-batch", "serial"])
