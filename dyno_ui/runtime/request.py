@@ -12,7 +12,10 @@ from speculative.config import MAX_LOGPROBS, PENALTY_CONTEXT
 from speculative.constraints import JsonSchema
 
 __all__ = ["MAX_LOGPROBS", "PENALTY_CONTEXT", "JsonSchema", "ToolCall", "Message", "Tool", "ToolChoice",
-           "Sampling", "ChatRequest"]
+           "Sampling", "ChatRequest", "EFFORT_BUDGETS"]
+
+# Thinking tokens for an OpenAI reasoning effort (`reasoning_effort`, `reasoning.effort`); None: unlimited.
+EFFORT_BUDGETS = {"minimal": 0, "low": 512, "medium": 2048, "high": None}
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class ChatRequest:
     response_format: Optional[JsonSchema] = None  # the answer's JSON, unless it calls a tool
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # more chat template arguments
     thinking: Optional[bool] = None  # the template's enable_thinking; None: the template's default
+    thinking_budget: Optional[int] = None  # most tokens inside <think> before it is closed; None: the server's
     prefill: str = ""  # the answer's start, which the model continues
     sampling: Sampling = Sampling()
     stop: Tuple[str, ...] = ()
