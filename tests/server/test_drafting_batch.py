@@ -205,8 +205,11 @@ def test_the_depth_policy_picks_each_rounds_depth_by_width(serial):
 def test_a_full_queue_answers_503_with_retry_after(drafting):
     kw = dict(decode_concurrency=2, drafting_batch=True) if drafting else {}
     with running_server(BUNDLED_MODEL, SPEC, worker_kw={"max_queue": 1}, **kw) as server:
-        release = threading.Event()
-        blocked = server.served.worker.call(lambda: release.wait(60))  # the engine thread waits here
+        started, release = threading.Event(), threading.Event()
+        # The engine thread waits here; until it has taken this call off the queue, the call itself
+        # is the one queued item and a request would be refused.
+        blocked = server.served.worker.call(lambda: (started.set(), release.wait(60)))
+        assert started.wait(30)
         body = {"model": MODEL_ID, "prompt": "x", "max_tokens": 3}
         with ThreadPoolExecutor(1) as pool:
             queued = pool.submit(server.post, "/v1/completions", json=body)
