@@ -62,7 +62,7 @@ class ServeOptions:
     max_tokens_default: int = 512  # for requests that do not set max_tokens
     ui: bool = True  # the playground at /ui (serial decoding only)
     ui_front: bool = False  # `python app.py`: / redirects to the playground, Gradio's URL line last
-    api_key: Optional[str] = None  # required on /v1/* and for loading models in the playground
+    api_key: Optional[str] = None  # required on /v1/* and at the playground's login
     allowed_origins: Tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
     served_model_names: Tuple[str, ...] = ()  # ids requests may use besides the model's folder name
     prompt_cache_bytes: Union[int, str, None] = None  # memory for reusable prompt states (None: 1/8 of the machine's)

@@ -72,8 +72,8 @@ def model_options(args: argparse.Namespace) -> ModelOptions:
 def add_access_args(p: argparse.ArgumentParser) -> None:
     """Who may call the API: a key, browser origins, and the model names requests may use."""
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get("DYNO_API_KEY"),
-                   help="require this key on /v1/* (Authorization: Bearer KEY or x-api-key: KEY) and for "
-                        "loading models in the playground (default: $DYNO_API_KEY; none: open)")
+                   help="require this key on /v1/* (Authorization: Bearer KEY or x-api-key: KEY) and at the "
+                        "playground's login page (default: $DYNO_API_KEY; none: open)")
     p.add_argument("--allowed-origins", metavar="ORIGIN[,ORIGIN]", action="append", default=[],
                    help="browser origins allowed to call the API (CORS), e.g. https://app.example.com, or *; "
                         "repeatable or comma-separated (default: none)")

@@ -29,7 +29,7 @@ class Sessions:
 
     def __init__(self, served: ServedModel, api_key: Optional[str] = None):
         self.served = served
-        self.api_key = api_key  # --api-key: also needed to load models and fetch heads from the page
+        self.api_key = api_key  # --api-key: the page's login asks for it; model management checks it again
         self.running: Dict[str, Job] = {}
 
     @property
@@ -131,7 +131,7 @@ class Sessions:
         """Model management (a swap stops the API for every client) needs the server's key, when it has one."""
         if self.api_key and not key_matches(self.api_key, key):
             raise DynoError("this server requires its API key (--api-key) to load models or fetch heads: "
-                            "type it in the API key box")
+                            "sign in to the playground with it")
 
     def load(self, path: str, notify: Callable[[str], None], head_bits=None, key: Optional[str] = None):
         """A Future of the model at `path` replacing the served one (loaded on the engine thread), its

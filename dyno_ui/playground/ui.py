@@ -17,6 +17,7 @@ from speculative.config import MAX_DRAFT_DEPTH  # noqa: E402
 from speculative.errors import DynoError  # noqa: E402
 
 from . import charts, render  # noqa: E402
+from ..runtime.keys import key_matches  # noqa: E402
 from ..runtime.served import ServedModel  # noqa: E402
 from ..paths import ASSETS  # noqa: E402
 from .sessions import CHART_S, Sessions  # noqa: E402
@@ -45,6 +46,23 @@ def theme() -> gr.themes.Base:
                              font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "monospace"])
 
 
+LOGIN_MESSAGE = ("This server asks for its API key (--api-key): sign in with any user name and the key as "
+                 "the password.")
+
+
+def _key_login(api_key: str):
+    """Gradio's login check with --api-key: any user name, the server's key as the password. Gradio
+    then refuses its page config and every route that runs a callback (queue, call, run, upload)
+    to a caller without the session cookie the login sets."""
+    return lambda username, password: key_matches(api_key, password)
+
+
+def _signed_key(s: Sessions, request: Optional[gr.Request]) -> Optional[str]:
+    """The server's key for a signed-in page (Gradio names the user only once its login has passed
+    the key check), else None: model management checks it once more, as a swap stops every client."""
+    return s.api_key if getattr(request, "username", None) is not None else None
+
+
 def _fail(e: DynoError):
     raise gr.Error(e.message)
 
@@ -69,7 +87,8 @@ def _template(history: List[dict], system: str) -> List[dict]:
 
 
 def build(served: ServedModel, api_key: Optional[str] = None) -> gr.Blocks:
-    """The playground's Blocks for `served` (whose worker is started); `api_key` guards model loading."""
+    """The playground's Blocks for `served` (whose worker is started); `api_key` guards model loading
+    (the login in `mount` guards the rest)."""
     s = Sessions(served, api_key)
     d = s.defaults()
     with gr.Blocks(title="Dyno playground", analytics_enabled=False) as ui:
@@ -272,9 +291,6 @@ def _models_tab(s: Sessions, chat: dict) -> dict:
                         elem_id="head-bits", scale=2)
         load = gr.Button("Load model", variant="primary", elem_id="load-model", scale=1)
         fetch = gr.Button("Fetch head", elem_id="fetch-head", scale=1)
-    # With --api-key, loading a model or fetching a head (it stops or slows every client) needs the key.
-    key = gr.Textbox(label="API key (this server requires it to load models and fetch heads)", type="password",
-                     visible=bool(s.api_key), elem_id="api-key")
     status = gr.Markdown(elem_id="models-status")
 
     # The last listing, shown to every page that opens; Scan and Fetch read the disk (and maybe the
@@ -299,25 +315,25 @@ def _models_tab(s: Sessions, chat: dict) -> dict:
             time.sleep(0.2)
         return future.result()
 
-    def do_load(path, bits, key_value, progress=gr.Progress()):
+    def do_load(path, bits, request: gr.Request, progress=gr.Progress()):
         if not path:
             raise gr.Error("Type or pick a model folder")
         notes: List[str] = []
         progress(0, desc="queued behind running generations")
         try:
-            lm = wait(s.load(path, notes.append, bits, key=key_value), progress, f"loading {path}", notes)
+            lm = wait(s.load(path, notes.append, bits, key=_signed_key(s, request)), progress, f"loading {path}", notes)
         except DynoError as e:
             _fail(e)
         d = s.defaults()
         return (f"Loaded {lm.path.name}.", s.describe(), d.temperature, d.top_p, d.top_k, d.min_p,
                 s.served.worker.spec.draft_depth)
 
-    def do_fetch(path, bits, key_value, progress=gr.Progress()):
+    def do_fetch(path, bits, request: gr.Request, progress=gr.Progress()):
         if not path:
             raise gr.Error("Type or pick a model folder")
         try:
             notes: List[str] = []
-            target, base, memory = wait(s.fetch_head(path, notes.append, bits, key=key_value), progress,
+            target, base, memory = wait(s.fetch_head(path, notes.append, bits, key=_signed_key(s, request)), progress,
                                         f"fetching the head for {path}", notes)
         except DynoError as e:
             _fail(e)
@@ -329,13 +345,15 @@ def _models_tab(s: Sessions, chat: dict) -> dict:
         return evt.row_value[0] if evt.row_value else gr.skip()
 
     table.select(pick, None, folder)
-    load.click(do_load, [folder, bits, key], [status, current, chat["temperature"], chat["top_p"], chat["top_k"],
+    load.click(do_load, [folder, bits], [status, current, chat["temperature"], chat["top_p"], chat["top_k"],
                                   chat["min_p"], chat["depth"]])
-    fetch.click(do_fetch, [folder, bits, key], [status, table])
+    fetch.click(do_fetch, [folder, bits], [status, table])
     return {"current": current, "table": table, "list": first_rows}
 
 
 def mount(app: FastAPI, served: ServedModel, path: str = UI_PATH, api_key: Optional[str] = None) -> FastAPI:
-    """Mount the playground on `app` at `path` (the server's routes stay as they are)."""
+    """Mount the playground on `app` at `path` (the server's routes stay as they are); with `api_key`
+    its login page asks for the key before anything runs."""
+    login = dict(auth=_key_login(api_key), auth_message=LOGIN_MESSAGE) if api_key else {}
     return gr.mount_gradio_app(app, build(served, api_key), path=path, theme=theme(), css_paths=[CSS],
-                               footer_links=["api"], ssr_mode=False)
+                               footer_links=["api"], ssr_mode=False, **login)

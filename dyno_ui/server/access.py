@@ -12,7 +12,11 @@ from ..runtime.errors import ApiError
 from ..runtime.keys import key_matches
 from .errors import Chooser, under
 
-API_PREFIX = "/v1"  # every API route; /health, /stats, /metrics and the playground stay outside
+# Every API route. The playground (/ui) has its own login with the same key. /health, /stats and
+# /metrics stay open with a key, as in vLLM: they neither generate nor change state and hold no
+# prompt or answer text (only the model's name and counters), and probes and Prometheus scrapers
+# read them without being handed the key.
+API_PREFIX = "/v1"
 
 
 def bearer(authorization: Optional[str]) -> Optional[str]:

@@ -92,17 +92,63 @@ def shots(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def page(url):
+def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
-        page.set_default_timeout(int(os.environ.get("PW_TIMEOUT", 60_000)))
-        page.goto(url + "/")  # redirected to /ui/
-        page.locator("#chat-input textarea").wait_for()
-        yield page
+        yield browser
         browser.close()
+
+
+def new_page(browser):
+    """A page in a context of its own (its own cookies)."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.set_default_timeout(int(os.environ.get("PW_TIMEOUT", 60_000)))
+    return page
+
+
+@pytest.fixture(scope="module")
+def page(browser, url):
+    page = new_page(browser)
+    page.goto(url + "/")  # redirected to /ui/
+    page.locator("#chat-input textarea").wait_for()
+    yield page
+    page.context.close()  # before the server stops (the browser outlives it): no page left connected
+
+
+def test_with_a_key_the_page_asks_for_it_then_chats(browser, model_dir):
+    """`--api-key`: Gradio's login form first (a wrong key stays on it), then the playground."""
+    from dyno_ui.options import ServeOptions
+    from dyno_ui.runtime.served import ServedModel
+    from dyno_ui.runtime.worker import EngineWorker
+    from dyno_ui.server.run import make_app
+    from helpers.serving import serving_in_thread
+    from speculative.config import SpecConfig
+    from speculative.loader import load_checkpoint
+
+    worker = EngineWorker(lambda: (load_checkpoint(model_dir), SpecConfig("auto", 3)))
+    lm = worker.start()
+    served = ServedModel(id=lm.path.name, lm=lm, worker=worker, default_max_tokens=8, created=0)
+    app = make_app(served, ui_front=True, options=ServeOptions(api_key="sk-page"))
+    with serving_in_thread(app, lifespan="on", start_timeout=60) as url:
+        page = new_page(browser)
+        page.goto(url + "/")
+
+        def sign_in(key: str) -> None:
+            page.get_by_label("username").fill("visitor")
+            page.get_by_label("password").fill(key)
+            page.get_by_role("button", name="Login").click()
+
+        sign_in("wrong")
+        page.get_by_text("Incorrect Credentials").wait_for()
+        assert page.locator("#chat-input").count() == 0
+        assert "API key" in page.locator(".auth").inner_text()  # the message says what to type
+        sign_in("sk-page")
+        chat_box(page).fill("def fibonacci(n):")
+        page.locator("#send").click()
+        assert "finished: length" in wait_for_stats(page, r"finished: (length|stop)")
+        page.context.close()  # before the server stops: no page left connected to it
 
 
 def set_number(page, elem_id: str, value) -> None:

@@ -54,7 +54,7 @@ def test_either_header_opens_both_apis_and_health_stays_open(server):
         assert server.post("/v1/chat/completions", json=CHAT, headers=headers).status_code == 200
         assert server.post("/v1/messages", json=MESSAGES, headers=headers).status_code == 200
     assert server.get("/health").json()["status"] == "ok"
-    assert server.get("/stats").status_code == 200
+    assert server.get("/stats").status_code == 200 and server.get("/metrics").status_code == 200  # by design
 
 
 def test_official_clients_with_and_without_the_key(server):
