@@ -9,7 +9,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
 def main(argv=None) -> int:
-    from dyno_ui.cli.common import access_options, add_access_args, add_model_args, model_options
+    from dyno_ui.cli.common import access_options, add_access_args, add_model_args, add_thinking_arg, model_options
     from dyno_ui.options import ServeOptions
     from dyno_ui.server.run import run
     from speculative.errors import DynoError
@@ -20,10 +20,11 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", 7860)),
                         help="port (default: $PORT or %(default)s; 0 picks a free one)")
     add_access_args(parser)
+    add_thinking_arg(parser)
     args = parser.parse_args(argv)
     try:
         return run(ServeOptions(model=model_options(args), host=args.host, port=args.port, ui_front=True,
-                                **access_options(args)))
+                                default_thinking=args.default_thinking, **access_options(args)))
     except DynoError as e:
         print(f"dyno: error: {e.message}", file=sys.stderr)
         return 2

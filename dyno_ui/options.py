@@ -70,6 +70,7 @@ class ServeOptions:
     prompt_cache_disk_bytes: Union[int, str, None] = None  # that folder's budget (None: see speculative/prompt_cache/disk.py)
     max_batch_memory: Union[int, str, None] = None  # batched rows' estimated KV + state (None: see runtime/admission.py)
     max_queue: int = 64  # requests waiting beyond those being decoded; more are refused (503, Retry-After)
+    default_thinking: bool = False  # Anthropic requests without `thinking`: the template's default, not none
 
     def __post_init__(self):
         object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") or o for o in self.allowed_origins))

@@ -81,6 +81,13 @@ def add_access_args(p: argparse.ArgumentParser) -> None:
                    help="a model id requests may use besides the folder name; repeatable")
 
 
+def add_thinking_arg(p: argparse.ArgumentParser) -> None:
+    """How an Anthropic request without `thinking` is read."""
+    p.add_argument("--default-thinking", action="store_true",
+                   help="Anthropic requests without a `thinking` field keep the chat template's default "
+                        "(thinking on for Qwen3.5) instead of none, which is what Anthropic's API means")
+
+
 def access_options(args: argparse.Namespace) -> dict:
     """The access flags as ServeOptions fields."""
     origins = [o.strip() for value in args.allowed_origins for o in value.split(",") if o.strip()]

@@ -1,7 +1,7 @@
 """`dyno serve`: the flags, as ServeOptions for the server."""
 
 from ..options import ServeOptions
-from .common import access_options, add_access_args, add_model_args, model_options
+from .common import access_options, add_access_args, add_model_args, add_thinking_arg, model_options
 
 
 def add_command(sub) -> None:
@@ -34,6 +34,7 @@ def add_command(sub) -> None:
                    help="the most DIR may hold for this model (default: half the free space, at most 4x the "
                         "default memory budget)")
     add_access_args(p)
+    add_thinking_arg(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -43,7 +44,7 @@ def options_from(args) -> ServeOptions:
                         ui=not args.no_ui, prompt_cache_bytes=args.prompt_cache_bytes,
                         prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
                         max_batch_memory=args.max_batch_memory, max_queue=args.max_queue,
-                        **access_options(args))
+                        default_thinking=args.default_thinking, **access_options(args))
 
 
 def cmd_serve(args) -> int:

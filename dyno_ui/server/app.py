@@ -47,6 +47,6 @@ def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES,
 
     models.add_routes(app, served)
     openai_routes.add_routes(app, served, max_body_bytes)
-    anthropic_routes.add_routes(app, served, max_body_bytes)
+    anthropic_routes.add_routes(app, served, max_body_bytes, options.default_thinking)
     add_access(app, options.api_key, options.allowed_origins, envelope_for)
     return app

@@ -50,6 +50,11 @@ def template(lm, messages, **kw):
     return list(lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw))
 
 
+def default_template(lm, messages):
+    """Token ids of the conversation through the chat template with its own default (no enable_thinking)."""
+    return list(lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+
 def expected_stop(lm, tokens):
     return "end_turn" if tokens[-1] in lm.eos_token_ids else "max_tokens"
 
@@ -96,8 +101,9 @@ def test_prefill_is_continued_exactly_with_drafting_on(server, client):
         assert "".join(stream.text_stream) == detokenize(lm, reference)
     counted = client.messages.count_tokens(model=MODEL_ID, messages=messages, thinking=NO_THINKING)
     assert counted.input_tokens == len(prompt)
-    # Without a thinking field dyno-tiny's template opens a think block; a prefill closes it first.
-    default = client.messages.create(model=MODEL_ID, max_tokens=40, messages=messages, extra_body=GREEDY)
+    # Adaptive (the template's default) dyno-tiny's template opens a think block; a prefill closes it first.
+    default = client.messages.create(model=MODEL_ID, max_tokens=40, messages=messages, thinking={"type": "adaptive"},
+                                     extra_body=GREEDY)
     assert [(b.type, b.text) for b in default.content] == [("text", detokenize(lm, reference))]
 
 
@@ -159,6 +165,45 @@ def test_reasoning_comes_back_as_a_thinking_block(server, client):
     events = list(client.messages.create(stream=True, **kw))
     assert events[1].content_block.type == "thinking"
     assert "".join(e.delta.thinking for e in events if e.type == "content_block_delta") == reasoning
+
+
+def test_no_thinking_field_means_thinking_disabled(server, client):
+    """As in Anthropic's API: a request without `thinking` is answered as one with thinking disabled,
+    although dyno-tiny's template opens a think block by default."""
+    lm = server.served.lm
+    assert default_template(lm, ASK) != template(lm, ASK)  # the template's default thinks
+    reference = plain_greedy(lm, template(lm, ASK), 24)
+    kw = dict(model=MODEL_ID, max_tokens=24, messages=ASK, extra_body=GREEDY)
+    absent, disabled = client.messages.create(**kw), client.messages.create(thinking=NO_THINKING, **kw)
+    assert [(b.type, b.text) for b in absent.content] == [("text", detokenize(lm, reference))]
+    assert absent.content == disabled.content and absent.usage == disabled.usage
+    events = list(client.messages.create(stream=True, **kw))
+    assert {e.content_block.type for e in events if e.type == "content_block_start"} == {"text"}
+    counted = client.messages.count_tokens(model=MODEL_ID, messages=ASK)
+    assert counted.input_tokens == len(template(lm, ASK))
+
+
+def test_default_thinking_keeps_the_templates_default():
+    """--default-thinking: no `thinking` field is the template's default (dyno-tiny's thinks), as
+    `adaptive` is (tests/test_docs.py checks that `python app.py` takes the flag too)."""
+    from dyno_ui import cli
+    from dyno_ui.cli.serve import options_from
+    from dyno_ui.options import ServeOptions
+
+    assert options_from(cli.build_parser().parse_args(["serve", "--default-thinking"])).default_thinking
+    assert not options_from(cli.build_parser().parse_args(["serve"])).default_thinking
+    with running_server(BUNDLED_MODEL, SpecConfig("mtp", 3), options=ServeOptions(default_thinking=True)) as server:
+        lm, client = server.served.lm, server.anthropic()
+        prompt = default_template(lm, ASK)
+        reasoning = split_think(detokenize(lm, plain_greedy(lm, prompt, 20)), thinking=True)[1]
+        assert reasoning
+        kw = dict(model=MODEL_ID, max_tokens=20, messages=ASK, extra_body=GREEDY)
+        absent = client.messages.create(**kw)
+        assert [(b.type, b.thinking) for b in absent.content] == [("thinking", reasoning)]
+        assert absent.content == client.messages.create(thinking={"type": "adaptive"}, **kw).content
+        assert client.messages.count_tokens(model=MODEL_ID, messages=ASK).input_tokens == len(prompt)
+        disabled = client.messages.create(thinking=NO_THINKING, **kw)  # a request's own field still rules
+        assert [b.type for b in disabled.content] == ["text"]
 
 
 def test_stop_sequence_ends_the_answer(server, client):

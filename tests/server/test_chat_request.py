@@ -75,19 +75,24 @@ def job(served, request):
 
 
 def test_equivalent_requests_are_one_chat_request():
-    openai, anthropic = from_openai(), from_anthropic()
+    # Adaptive thinking is the template's default, as an OpenAI request without chat_template_kwargs.
+    openai, anthropic = from_openai(), from_anthropic(thinking={"type": "adaptive"})
     assert openai == anthropic
+    assert from_anthropic().thinking is False  # no thinking field: disabled, as in Anthropic's API
+    no_field = anthropic_api.MessagesRequest(**ANTHROPIC)
+    assert anthropic_convert.chat_request(no_field, default_thinking=True) == anthropic  # --default-thinking
     assert openai.tool_choice == ToolChoice.named("get_weather") and not openai.parallel_tool_calls
     assert openai.messages[2].tool_calls[0].arguments == {"city": "Paris"}  # the JSON text, as an object
 
 
 @pytest.mark.parametrize("openai, anthropic", [
-    ({}, {}),  # a forced named call
+    ({"chat_template_kwargs": {"enable_thinking": False}}, {}),  # a forced named call; no thinking field
     ({"chat_template_kwargs": {"enable_thinking": False}, "tool_choice": "required"},
      {"thinking": {"type": "disabled"}, "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}),
     ({"tool_choice": "auto", "parallel_tool_calls": None,
       "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}},
-     {"tool_choice": {"type": "auto"}, "output_config": {"format": {"type": "json_schema", "schema": PERSON}}}),
+     {"tool_choice": {"type": "auto"}, "output_config": {"format": {"type": "json_schema", "schema": PERSON}},
+      "thinking": {"type": "adaptive"}}),
     ({"tool_choice": "none", "chat_template_kwargs": {"enable_thinking": True}},
      {"tool_choice": {"type": "none"}, "thinking": {"type": "enabled", "budget_tokens": 100}}),
 ], ids=["named", "required, no thinking", "auto with a format", "none, thinking"])

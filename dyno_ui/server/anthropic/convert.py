@@ -23,8 +23,9 @@ from . import schema as api
 # ---- requests ------------------------------------------------------------------------------
 
 
-def chat_request(req: api.Conversation) -> ChatRequest:
-    """The request in the runtime's terms, after the checks only Anthropic's API makes."""
+def chat_request(req: api.Conversation, default_thinking: bool = False) -> ChatRequest:
+    """The request in the runtime's terms, after the checks only Anthropic's API makes;
+    `default_thinking` (--default-thinking): no `thinking` field keeps the template's default."""
     prefill = prefill_text(req)
     # A final assistant message is the answer's start, not a turn (empty: the answer starts afresh).
     messages = req.messages[:-1] if req.messages[-1].role == "assistant" else req.messages
@@ -41,9 +42,11 @@ def chat_request(req: api.Conversation) -> ChatRequest:
     if prefill and req.thinking is not None and req.thinking.type == "enabled":
         raise ApiError(400, "messages: a final assistant message (prefill) cannot be combined with thinking "
                             "enabled, as in Anthropic's API: a prefill starts the text answer", param="messages")
-    thinking = None  # adaptive, or not given: the template's default
+    thinking = None  # adaptive: the template's default
     if req.thinking is not None and req.thinking.type != "adaptive":
         thinking = req.thinking.type == "enabled"
+    if req.thinking is None and not default_thinking:  # not given: no thinking, as in Anthropic's API
+        thinking = False
     if prefill:  # the prefill is the text answer's start: the template closes its think block first
         thinking = False
     choice, parallel = tool_choice(req.tool_choice)
@@ -121,16 +124,16 @@ def prefill_text(req: api.Conversation) -> str:
     return text
 
 
-def count_tokens(served: ServedModel, req: api.CountTokensRequest) -> int:
+def count_tokens(served: ServedModel, req: api.CountTokensRequest, default_thinking: bool = False) -> int:
     """Tokens of the prompt /v1/messages would build for the same conversation."""
-    return len(chat.prompt_for(served, chat_request(req)).tokens)
+    return len(chat.prompt_for(served, chat_request(req, default_thinking)).tokens)
 
 
-def message_job(served: ServedModel, req: api.MessagesRequest, sink) -> "Reply":
+def message_job(served: ServedModel, req: api.MessagesRequest, sink, default_thinking: bool = False) -> "Reply":
     """The job for a request, with the Reply that turns its outputs into events. A forced tool call
     (any, or a named tool) and output_config.format are grammars (after the reasoning the template
     opened, if any): drafting stays on and the answer is valid against the schema."""
-    _, job = chat.job_for(served, chat_request(req), sink)
+    _, job = chat.job_for(served, chat_request(req, default_thinking), sink)
     return Reply(req.model, job)  # the id the request named (one of the served ids)
 
 
