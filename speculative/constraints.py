@@ -173,21 +173,63 @@ def tool_call_schema(tools: Sequence[ToolSchema]) -> dict:
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
+# Subschemas of the values an object or array holds, closed in turn by declared_only.
+_VALUE_SCHEMAS = ("additionalProperties", "items", "additionalItems", "contains")
+_VALUE_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+# Keywords that combine an object with other schemas: an object using them is left open, since
+# closing it would forbid the keys those schemas declare (llguidance intersects them).
+_COMBINING = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "not", "dependentSchemas",
+              "unevaluatedProperties")
+
+
+def declared_only(schema: Any, close: bool = True) -> Any:
+    """`schema` with `"additionalProperties": false` in each object schema that does not say, so an
+    object holds only its declared keys (OpenAI's strict mode reads schemas so). JSON Schema's own
+    default allows any other key, with which a model wrote invented keys until max_tokens.
+
+    llguidance writes declared keys in their order, once each, so no key repeats; a schema that
+    allows other keys (additionalProperties true or a schema) keeps them, and a grammar cannot stop
+    one of those from repeating. An object combined with allOf, anyOf, $ref and the like is left as
+    written (the schemas it combines with are closed on their own, allOf's members excepted).
+    """
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {k: declared_only(v) for k, v in out[key].items()}
+    for key in _VALUE_SCHEMAS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = declared_only(out[key])
+    for key in _VALUE_SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [declared_only(v) for v in out[key]]
+    if isinstance(out.get("allOf"), list):  # intersected: a member closed alone would forbid the others' keys
+        out["allOf"] = [declared_only(v, close=False) for v in out["allOf"]]
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or (kind is None and "properties" in out)
+    if close and is_object and "additionalProperties" not in out and not any(k in out for k in _COMBINING):
+        out["additionalProperties"] = False
+    return out
+
+
 def _tool_calls(spec: ToolCalls, lm) -> Constraint:
     """The grammar of ToolCalls. The markers' special tokens (Qwen's <tool_call>) are matched as
-    those tokens, not spelled out."""
+    those tokens, not spelled out. Arguments hold only the keys their schema declares (declared_only)."""
     if spec.form not in FORMS:
         raise DynoError(f"invalid tool-call form {spec.form!r}: json or xml")
     if not spec.tools:
         raise DynoError(NO_TOOLS)
     vocab = vocabulary(lm)
+    tools = tuple(ToolSchema(t.name, declared_only(t.parameters)) for t in spec.tools)
     if spec.form == "json":
-        schema = tool_call_schema(spec.tools)
+        schema = tool_call_schema(tools)
         _schema_grammar(schema, "tool schema")  # a non-serialisable schema fails with its own message
         schema = {"x-guidance": TOOL_JSON_OPTIONS, **schema}  # inside Lark, %json takes options from the schema
         body, rules = f"%json {json.dumps(schema)}", ""
     else:
-        body, rules = xml_call_lark(spec.tools)
+        body, rules = xml_call_lark(tools)
     call = f"{_lark_text(spec.open, vocab)} {body} {_lark_text(spec.close, vocab)}"
     start = 'call ("\\n" call)*' if spec.parallel else "call"
     grammar = llguidance.LLMatcher.grammar_from_lark(f"start: {start}\ncall: {call}\n{rules}")
