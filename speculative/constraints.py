@@ -161,16 +161,41 @@ def constraint_for(spec: Spec, lm) -> Constraint:
 
 def tool_call_schema(tools: Sequence[ToolSchema]) -> dict:
     """JSON schema of one call {"name": ..., "arguments": {...}} of one of `tools`, with the arguments
-    valid against that tool's parameters."""
+    valid against that tool's parameters (their own "#/$defs/..." references rebased to where they sit)."""
     if not tools:
         raise DynoError(NO_TOOLS)
+    at = ["#/properties/arguments"] if len(tools) == 1 else [f"#/anyOf/{i}/properties/arguments"
+                                                             for i in range(len(tools))]
     calls = [{
         "type": "object",
-        "properties": {"name": {"const": t.name}, "arguments": dict(t.parameters)},
+        "properties": {"name": {"const": t.name}, "arguments": _rebased(t.parameters, base)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
-    } for t in tools]
+    } for t, base in zip(tools, at)]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+_VALUES = ("const", "enum", "default", "examples")  # data, not schemas: never rebased
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with its local references ("#/$defs/X", "#") pointing into it at `base`, where it sits
+    inside the call's schema (references are read from the root of the whole schema)."""
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = base + v[1:]
+        elif k in _VALUES:
+            out[k] = v
+        elif k in _SCHEMA_MAPS and isinstance(v, Mapping):  # names of properties or definitions, then schemas
+            out[k] = {name: _rebased(sub, base) for name, sub in v.items()}
+        else:
+            out[k] = _rebased(v, base)
+    return out
 
 
 # Subschemas of the values an object or array holds, closed in turn by declared_only.
@@ -184,9 +209,11 @@ _COMBINING = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "not", "d
 
 
 def declared_only(schema: Any, close: bool = True) -> Any:
-    """`schema` with `"additionalProperties": false` in each object schema that does not say, so an
-    object holds only its declared keys (OpenAI's strict mode reads schemas so). JSON Schema's own
-    default allows any other key, with which a model wrote invented keys until max_tokens.
+    """`schema` with `"additionalProperties": false` in each object schema that declares its keys
+    (`properties`, `patternProperties`) and does not say, so an object holds only those keys
+    (OpenAI's strict mode reads schemas so). JSON Schema's own default allows any other key, with
+    which a model wrote invented keys until max_tokens. An object that declares no keys at all
+    (`{"type": "object"}`) is free-form and stays so; `"properties": {}` declares none: `{}`.
 
     llguidance writes declared keys in their order, once each, so no key repeats; a schema that
     allows other keys (additionalProperties true or a schema) keeps them, and a grammar cannot stop
@@ -208,8 +235,9 @@ def declared_only(schema: Any, close: bool = True) -> Any:
     if isinstance(out.get("allOf"), list):  # intersected: a member closed alone would forbid the others' keys
         out["allOf"] = [declared_only(v, close=False) for v in out["allOf"]]
     kind = out.get("type")
-    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or (kind is None and "properties" in out)
-    if close and is_object and "additionalProperties" not in out and not any(k in out for k in _COMBINING):
+    declares = "properties" in out or "patternProperties" in out
+    is_object = kind is None or kind == "object" or (isinstance(kind, list) and "object" in kind)
+    if close and declares and is_object and "additionalProperties" not in out and not any(k in out for k in _COMBINING):
         out["additionalProperties"] = False
     return out
 

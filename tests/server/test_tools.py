@@ -107,12 +107,9 @@ def test_required_tool_call_equals_plain_decoding_streamed_or_not(server):
 
     chunks = list(server.client.chat.completions.create(stream=True, **kw))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
-    first, rest = calls[0], calls[1:]
-    assert (first.index, first.type, first.function.name, first.function.arguments) == (0, "function", "add", "")
-    assert first.id.startswith("call_") and all(c.id is None and c.index == 0 for c in rest)
-    assert len(rest) > 3  # the arguments arrive in pieces
-    assert "".join(c.function.arguments for c in rest) == message.tool_calls[0].function.arguments
+    (call,) = [d.tool_calls[0] for d in deltas if d.tool_calls]  # the call whole, once its block closed
+    assert (call.index, call.type, call.function.name, call.function.arguments) == (0, "function", *one_call(message))
+    assert call.id.startswith("call_")
     assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -122,22 +119,18 @@ def test_named_tool_choice_with_several_calls_in_one_turn(server):
     out = server.client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice=named,
                                                 max_tokens=220, temperature=0, extra_body=NO_THINKING)
     reference = plain(lm, template(lm, ASK, TOOLS), tool_calls([WEATHER], lm), 220)
-    assert out.usage.completion_tokens == len(reference) == 220  # calls end at tokens 55, 150 and 260
-    # The model calls again and again (parallel calls are on): complete calls, then one cut by max_tokens.
+    # The grammar lets the turn end after each call (EOS allowed), but this model calls again and again
+    # (parallel calls are on): complete calls, then one cut by max_tokens.
+    assert out.usage.completion_tokens == len(reference) == 220
     blocks = [b if b.startswith(OPEN) else "<tool_call>" + b for b in detokenize(lm, reference).split("\n<tool_call>")]
     complete, cut = blocks[:-1], blocks[-1]
     assert len(complete) >= 2 and all(b.endswith(CLOSE) for b in complete) and not cut.endswith(CLOSE)
     message = out.choices[0].message
-    calls = message.tool_calls[:len(complete)]
     assert len({c.id for c in message.tool_calls}) == len(message.tool_calls)
-    for call, block in zip(calls, complete):
-        assert (call.function.name, call.function.arguments) == written_call(block)
-        assert valid(call.function.name, call.function.arguments)
-    if '"arguments"' in cut:  # its name was read: a call, cut short
-        assert len(message.tool_calls) == len(complete) + 1 and message.content is None
-    else:  # not yet a call: its text stays, as content (with the newline before it)
-        assert len(message.tool_calls) == len(complete) and message.content == "\n" + cut
-    assert out.choices[0].finish_reason == "length"
+    # The cut call is not a call: only the complete ones, and none of its text as content.
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [written_call(b) for b in complete]
+    assert all(valid(c.function.name, c.function.arguments) for c in message.tool_calls)
+    assert message.content is None and out.choices[0].finish_reason == "length"
 
 
 def test_agent_loop_with_tool_results_equals_plain_decoding(server):
@@ -311,9 +304,9 @@ def test_xml_form_required_call_and_replay(xml_server):
     assert text.startswith("<tool_call>\n<function=pick>\n<parameter=kind>\n") and text.endswith("</tool_call>")
     expected = mlx_qwen3_coder.parse_tool_call(text[len("<tool_call>"):-len("</tool_call>")], XML_TOOLS)
     assert arguments == json.dumps(expected["arguments"])  # what mlx-lm's own parser reads from the same text
-    streamed = [c.choices[0].delta.tool_calls[0] for c in xml_server.client.chat.completions.create(stream=True, **kw)
-                if c.choices and c.choices[0].delta.tool_calls]
-    assert "".join(c.function.arguments for c in streamed) == arguments and len(streamed) >= 3
+    (streamed,) = [c.choices[0].delta.tool_calls[0] for c in xml_server.client.chat.completions.create(stream=True, **kw)
+                   if c.choices and c.choices[0].delta.tool_calls]
+    assert (streamed.function.name, streamed.function.arguments) == (name, arguments)
     # Replayed, the arguments string becomes the object the template iterates over.
     history = ASK + [whole.choices[0].message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": whole.choices[0].message.tool_calls[0].id, "content": "ok"}]
