@@ -210,8 +210,8 @@ _COMBINING = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "not", "d
 
 def declared_only(schema: Any, close: bool = True) -> Any:
     """`schema` with `"additionalProperties": false` in each object schema that declares its keys
-    (`properties`, `patternProperties`) and does not say, so an object holds only those keys
-    (OpenAI's strict mode reads schemas so). JSON Schema's own default allows any other key, with
+    (`properties`, `patternProperties`) and does not say, so an object holds only those keys (as
+    strict structured-output APIs read schemas). JSON Schema's own default allows any other key, with
     which a model wrote invented keys until max_tokens. An object that declares no keys at all
     (`{"type": "object"}`) is free-form and stays so; `"properties": {}` declares none: `{}`.
 
