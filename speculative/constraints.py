@@ -161,33 +161,103 @@ def constraint_for(spec: Spec, lm) -> Constraint:
 
 def tool_call_schema(tools: Sequence[ToolSchema]) -> dict:
     """JSON schema of one call {"name": ..., "arguments": {...}} of one of `tools`, with the arguments
-    valid against that tool's parameters."""
+    valid against that tool's parameters (their own "#/$defs/..." references rebased to where they sit)."""
     if not tools:
         raise DynoError(NO_TOOLS)
+    at = ["#/properties/arguments"] if len(tools) == 1 else [f"#/anyOf/{i}/properties/arguments"
+                                                             for i in range(len(tools))]
     calls = [{
         "type": "object",
-        "properties": {"name": {"const": t.name}, "arguments": dict(t.parameters)},
+        "properties": {"name": {"const": t.name}, "arguments": _rebased(t.parameters, base)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
-    } for t in tools]
+    } for t, base in zip(tools, at)]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+_VALUES = ("const", "enum", "default", "examples")  # data, not schemas: never rebased
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with its local references ("#/$defs/X", "#") pointing into it at `base`, where it sits
+    inside the call's schema (references are read from the root of the whole schema)."""
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = base + v[1:]
+        elif k in _VALUES:
+            out[k] = v
+        elif k in _SCHEMA_MAPS and isinstance(v, Mapping):  # names of properties or definitions, then schemas
+            out[k] = {name: _rebased(sub, base) for name, sub in v.items()}
+        else:
+            out[k] = _rebased(v, base)
+    return out
+
+
+# Subschemas of the values an object or array holds, closed in turn by declared_only.
+_VALUE_SCHEMAS = ("additionalProperties", "items", "additionalItems", "contains")
+_VALUE_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+# Keywords that combine an object with other schemas: an object using them is left open, since
+# closing it would forbid the keys those schemas declare (llguidance intersects them).
+_COMBINING = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "not", "dependentSchemas",
+              "unevaluatedProperties")
+
+
+def declared_only(schema: Any, close: bool = True) -> Any:
+    """`schema` with `"additionalProperties": false` in each object schema that declares its keys
+    (`properties`, `patternProperties`) and does not say, so an object holds only those keys (as
+    strict structured-output APIs read schemas). JSON Schema's own default allows any other key, with
+    which a model wrote invented keys until max_tokens. An object that declares no keys at all
+    (`{"type": "object"}`) is free-form and stays so; `"properties": {}` declares none: `{}`.
+
+    llguidance writes declared keys in their order, once each, so no key repeats; a schema that
+    allows other keys (additionalProperties true or a schema) keeps them, and a grammar cannot stop
+    one of those from repeating. An object combined with allOf, anyOf, $ref and the like is left as
+    written (the schemas it combines with are closed on their own, allOf's members excepted).
+    """
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {k: declared_only(v) for k, v in out[key].items()}
+    for key in _VALUE_SCHEMAS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = declared_only(out[key])
+    for key in _VALUE_SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [declared_only(v) for v in out[key]]
+    if isinstance(out.get("allOf"), list):  # intersected: a member closed alone would forbid the others' keys
+        out["allOf"] = [declared_only(v, close=False) for v in out["allOf"]]
+    kind = out.get("type")
+    declares = "properties" in out or "patternProperties" in out
+    is_object = kind is None or kind == "object" or (isinstance(kind, list) and "object" in kind)
+    if close and declares and is_object and "additionalProperties" not in out and not any(k in out for k in _COMBINING):
+        out["additionalProperties"] = False
+    return out
 
 
 def _tool_calls(spec: ToolCalls, lm) -> Constraint:
     """The grammar of ToolCalls. The markers' special tokens (Qwen's <tool_call>) are matched as
-    those tokens, not spelled out."""
+    those tokens, not spelled out. Arguments hold only the keys their schema declares (declared_only)."""
     if spec.form not in FORMS:
         raise DynoError(f"invalid tool-call form {spec.form!r}: json or xml")
     if not spec.tools:
         raise DynoError(NO_TOOLS)
     vocab = vocabulary(lm)
+    tools = tuple(ToolSchema(t.name, declared_only(t.parameters)) for t in spec.tools)
     if spec.form == "json":
-        schema = tool_call_schema(spec.tools)
+        schema = tool_call_schema(tools)
         _schema_grammar(schema, "tool schema")  # a non-serialisable schema fails with its own message
         schema = {"x-guidance": TOOL_JSON_OPTIONS, **schema}  # inside Lark, %json takes options from the schema
         body, rules = f"%json {json.dumps(schema)}", ""
     else:
-        body, rules = xml_call_lark(spec.tools)
+        body, rules = xml_call_lark(tools)
     call = f"{_lark_text(spec.open, vocab)} {body} {_lark_text(spec.close, vocab)}"
     start = 'call ("\\n" call)*' if spec.parallel else "call"
     grammar = llguidance.LLMatcher.grammar_from_lark(f"start: {start}\ncall: {call}\n{rules}")

@@ -384,3 +384,40 @@ def test_text_then_optional_calls(bundled):
     assert not accepts(optional, bundled, good.replace('"b": 2', '"b": "two"'))
     assert not accepts(optional, bundled, f"{good} and more")  # nothing after the calls
     assert accepts(combine([call], bundled, "</think>", optional=True), bundled, f"hmm</think>\n\nok {good}")
+
+
+def test_call_arguments_hold_only_declared_keys(bundled):
+    """A schema that does not say additionalProperties is read as false in a call's arguments (nested
+    objects and $defs too); true or a schema allows other keys. Declared keys never repeat."""
+    def call(arguments):
+        return f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+
+    item = {"type": "object", "properties": {"k": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "o": item, "r": {"$ref": "#/$defs/I"},
+                                               "free": {"type": "object"}, "xs": {"type": "array", "items": item}},
+              "$defs": {"I": item}}
+    for form, text in (("json", call), ("xml", None)):
+        constraint = constraint_for(ToolCalls((ToolSchema("f", schema),), form), bundled)
+        if form == "xml":
+            assert accepts(constraint, bundled, xml_call("f", a="x", o='{"k": 1}', free='{"any": [1]}'))
+            assert not accepts(constraint, bundled, xml_call("f", a="x", o='{"k": 1, "j": 2}'))
+            continue
+        good = '{"a": "x", "o": {"k": 1}, "r": {"k": 2}, "free": {"any": 1}, "xs": [{"k": 3}]}'
+        assert accepts(constraint, bundled, text(good))
+        for bad in ('{"a": "x", "b": "y"}', '{"a": "x", "a": "y"}', '{"o": {"k": 1, "j": 2}}', '{"r": {"j": 2}}',
+                    '{"xs": [{"k": 1, "k": 2}]}', '{"xs": [{"j": 1}]}'):
+            assert not accepts(constraint, bundled, text(bad)), bad
+    opened = {**schema, "additionalProperties": True}
+    assert accepts(constraint_for(ToolCalls((ToolSchema("f", opened),)), bundled), bundled, call('{"a": "x", "b": 1}'))
+    typed = {**schema, "additionalProperties": {"type": "integer"}}
+    typed_calls = constraint_for(ToolCalls((ToolSchema("f", typed),)), bundled)
+    assert accepts(typed_calls, bundled, call('{"a": "x", "b": 1}'))
+    assert not accepts(typed_calls, bundled, call('{"a": "x", "b": "y"}'))
+    assert accepts(constraint_for(ToolCalls((ToolSchema("f", {"type": "object", "properties": {}}),)), bundled),
+                   bundled, call("{}"))
+    # Schemas combined by allOf are intersected: left as written, so their keys stay allowed together.
+    both = {"type": "object", "allOf": [{"properties": {"a": {"type": "string"}}},
+                                        {"properties": {"b": {"type": "integer"}}}]}
+    assert accepts(constraint_for(ToolCalls((ToolSchema("f", both),)), bundled), bundled, call('{"a": "x", "b": 1}'))
+    # A response_format schema keeps JSON Schema's reading: other keys allowed.
+    assert accepts(constraint_for(JsonSchema(item), bundled), bundled, '{"k": 1, "j": 2}')

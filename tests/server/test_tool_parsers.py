@@ -1,6 +1,7 @@
 """Tool-call parsing in the runtime (dyno_ui/runtime/parsers): token ids in, content, reasoning and
 calls out, one token at a time as the engine delivers them; the calls equal what mlx-lm's own
-parser reads from the whole text, and their streamed pieces add up to it."""
+parser reads from the whole text, each sent whole once its block closes, and a block cut short or
+holding no call is dropped (no markup in the content)."""
 
 import json
 
@@ -74,8 +75,19 @@ def test_json_calls_with_reasoning_and_content(bundled):
     assert (reasoning, content) == ("let me see", "\n\nI will check.")
     expected = [mlx_json_tools.parse_tool_call(c) for c in (first, second)]
     assert [(n, json.loads(a)) for n, a in calls] == [(c["name"], c["arguments"]) for c in expected]
-    # The arguments as the model wrote them, streamed as they came: several pieces each.
-    assert calls[0][1] == '{"city": "Paris", "days": [1, {"x": "}"}]}' and min(pieces) > 1
+    # The arguments as the model wrote them, each call in one delta.
+    assert calls[0][1] == '{"city": "Paris", "days": [1, {"x": "}"}]}' and pieces == [1, 1]
+
+
+def test_a_call_goes_out_when_its_block_closes(bundled):
+    calls = ToolCallStream.for_tokenizer(bundled.tokenizer)
+    assembler = TextAssembler(bundled.tokenizer, split_reasoning=True, tool_calls=calls)
+    tokens = bundled.tokenizer.encode('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
+                                      add_special_tokens=False)
+    outputs = [assembler.add(t) for t in tokens]
+    assert outputs[:-1] == [[]] * (len(tokens) - 1)  # nothing while the block is open
+    (call,) = outputs[-1]
+    assert (call.index, call.name, call.arguments) == (0, "add", '{"a": 1}') and call.id.startswith("call_")
 
 
 def test_without_calls_the_text_is_unchanged(bundled):
@@ -84,10 +96,10 @@ def test_without_calls_the_text_is_unchanged(bundled):
     assert (content, calls) == (text, [])  # trailing whitespace is held, then given back
 
 
-def test_a_block_that_is_no_call_stays_content(bundled):
-    text = "a <tool_call>\nnot json\n</tool_call> b"
-    content, _, calls, _ = fold(assemble(bundled, text)[0])
-    assert (content, calls) == (text, [])
+def test_a_block_that_is_no_call_is_dropped(bundled):
+    for inside in ("not json", '{"name": "add", "arguments": {"a": 1,}}', '{"name": "add", "arguments": {"a": 1}'):
+        content, _, calls, _ = fold(assemble(bundled, f"a <tool_call>\n{inside}\n</tool_call> b")[0])
+        assert (content, calls) == ("a  b", [])  # the text around it stays; the markup does not
 
 
 def test_other_key_order_is_parsed_when_the_block_closes(bundled):
@@ -96,9 +108,14 @@ def test_other_key_order_is_parsed_when_the_block_closes(bundled):
     assert calls == [("add", '{"a": 1}')] and pieces == [1]
 
 
-def test_a_call_cut_short_keeps_what_was_streamed(bundled):
-    outputs, _ = assemble(bundled, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b"')
-    assert fold(outputs)[2] == [("add", '{"a": 1, "b"')]
+def test_a_call_cut_short_is_dropped(bundled):
+    one = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    for text, expected in (("Sure.\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1", ("Sure.\n", [])),
+                           ("<tool_call>\n{\"name\": \"add\", \"argu", ("", [])),
+                           (f"{one}\n{one}\n<tool_call>\n{{\"name\"", ("", [("add", '{"a": 1}')] * 2)),
+                           (f"{one}\n{one[:-3]}", ("", [("add", '{"a": 1}')]))):
+        content, _, calls, _ = fold(assemble(bundled, text)[0])
+        assert (content, calls) == expected, text
 
 
 def test_not_parallel_stops_after_the_first_call(bundled):
@@ -110,10 +127,10 @@ def test_not_parallel_stops_after_the_first_call(bundled):
 def test_a_stop_string_inside_a_call(bundled):
     outputs, stopped = assemble(bundled, '<tool_call>\n{"name": "add", "arguments": {"a": 17}}\n</tool_call>',
                                 stops=["7"])
-    assert stopped and fold(outputs)[2] == [("add", '{"a": 1')]
+    assert stopped and fold(outputs)[:3] == ("", "", [])  # the call it cut is dropped
 
 
-def test_xml_calls_grow_one_parameter_at_a_time(xml_lm):
+def test_xml_calls_are_read_by_mlx_lm_when_their_block_closes(xml_lm):
     block = ("<function=pick>\n<parameter=kind>\nred\n</parameter>\n<parameter=n>\n7\n</parameter>\n"
              "<parameter=tag>\na<b\n</parameter>\n</function>")
     text = f"Sure.\n<tool_call>\n{block}\n</tool_call>\n<tool_call>\n<function=pick>\n</function>\n</tool_call>"
@@ -122,15 +139,15 @@ def test_xml_calls_grow_one_parameter_at_a_time(xml_lm):
     assert content == "Sure."
     assert calls == [("pick", json.dumps(expected["arguments"])), ("pick", "{}")]
     assert json.loads(calls[0][1]) == {"kind": "red", "n": 7, "tag": "a<b"}  # typed by the tool's schema
-    assert pieces == [4, 1]  # a piece per parameter, then the closing brace
+    assert pieces == [1, 1]
 
 
-def test_xml_call_cut_short_closes_its_arguments(xml_lm):
+def test_xml_call_cut_short_is_dropped(xml_lm):
     text = "<tool_call>\n<function=pick>\n<parameter=kind>\nblue\n</parameter>\n<parameter=n>\n3"
-    assert fold(assemble(xml_lm, text, XML_TOOLS)[0])[2] == [("pick", '{"kind": "blue"}')]
+    assert fold(assemble(xml_lm, text, XML_TOOLS)[0])[:3] == ("", "", [])
 
 
 def test_a_bad_escape_in_the_name_is_read_at_the_end(bundled):
     text = '<tool_call>\n{"name": "a\\q", "arguments": {}}\n</tool_call>'
     content, _, calls, _ = fold(assemble(bundled, text)[0])
-    assert (content, calls) == (text, [])  # not JSON: the block stays text
+    assert (content, calls) == ("", [])  # not JSON: no call, and its markup is not content

@@ -107,12 +107,9 @@ def test_required_tool_call_equals_plain_decoding_streamed_or_not(server):
 
     chunks = list(server.client.chat.completions.create(stream=True, **kw))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
-    first, rest = calls[0], calls[1:]
-    assert (first.index, first.type, first.function.name, first.function.arguments) == (0, "function", "add", "")
-    assert first.id.startswith("call_") and all(c.id is None and c.index == 0 for c in rest)
-    assert len(rest) > 3  # the arguments arrive in pieces
-    assert "".join(c.function.arguments for c in rest) == message.tool_calls[0].function.arguments
+    (call,) = [d.tool_calls[0] for d in deltas if d.tool_calls]  # the call whole, once its block closed
+    assert (call.index, call.type, call.function.name, call.function.arguments) == (0, "function", *one_call(message))
+    assert call.id.startswith("call_")
     assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -122,22 +119,101 @@ def test_named_tool_choice_with_several_calls_in_one_turn(server):
     out = server.client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice=named,
                                                 max_tokens=220, temperature=0, extra_body=NO_THINKING)
     reference = plain(lm, template(lm, ASK, TOOLS), tool_calls([WEATHER], lm), 220)
-    assert out.usage.completion_tokens == len(reference) == 220  # calls end at tokens 55, 150 and 260
-    # The model calls again and again (parallel calls are on): complete calls, then one cut by max_tokens.
+    # The grammar lets the turn end after each call (EOS allowed), but this model calls again and again
+    # (parallel calls are on): complete calls, then one cut by max_tokens.
+    assert out.usage.completion_tokens == len(reference) == 220
     blocks = [b if b.startswith(OPEN) else "<tool_call>" + b for b in detokenize(lm, reference).split("\n<tool_call>")]
     complete, cut = blocks[:-1], blocks[-1]
     assert len(complete) >= 2 and all(b.endswith(CLOSE) for b in complete) and not cut.endswith(CLOSE)
     message = out.choices[0].message
-    calls = message.tool_calls[:len(complete)]
     assert len({c.id for c in message.tool_calls}) == len(message.tool_calls)
-    for call, block in zip(calls, complete):
-        assert (call.function.name, call.function.arguments) == written_call(block)
-        assert valid(call.function.name, call.function.arguments)
-    if '"arguments"' in cut:  # its name was read: a call, cut short
-        assert len(message.tool_calls) == len(complete) + 1 and message.content is None
-    else:  # not yet a call: its text stays, as content (with the newline before it)
-        assert len(message.tool_calls) == len(complete) and message.content == "\n" + cut
-    assert out.choices[0].finish_reason == "length"
+    # The cut call is not a call: only the complete ones, and none of its text as content.
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [written_call(b) for b in complete]
+    assert all(valid(c.function.name, c.function.arguments) for c in message.tool_calls)
+    assert message.content is None and out.choices[0].finish_reason == "length"
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# The same tools as Anthropic's API takes them (a missing description is "" there), and as its template shows them.
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+ANTHROPIC_TEMPLATE_TOOLS = [{"type": "function", "function": {
+    "name": t["name"], "description": t["description"], "parameters": t["input_schema"]}} for t in ANTHROPIC_TOOLS]
+ONE_WEATHER_CALL = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def undrafted():
+    with running_server(BUNDLED_MODEL, SpecConfig("off")) as running:
+        yield running
+
+
+def keys_once(arguments):
+    """The arguments' object, asserting that no object in the raw string holds a key twice."""
+    def pairs(items):
+        keys = [k for k, _ in items]
+        assert len(keys) == len(set(keys)), arguments
+        return dict(items)
+
+    return json.loads(arguments, object_pairs_hook=pairs)
+
+
+def test_arguments_hold_declared_keys_only_and_a_forced_call_ends(server, undrafted):
+    """get_weather's schema says nothing of additionalProperties: its arguments hold `city` alone (the
+    grammar once let this model invent keys, repeated, until max_tokens). A named call with parallel
+    calls off is one call that ends the answer; drafting on equals drafting off and plain decoding."""
+    lm = server.served.lm
+    kw = dict(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice=NAMED, parallel_tool_calls=False,
+              max_tokens=200, temperature=0, extra_body=NO_THINKING)
+    before = server.stats()
+    out, off = server.client.chat.completions.create(**kw), undrafted.client.chat.completions.create(**kw)
+    name, arguments = one_call(out.choices[0].message)
+    assert name == "get_weather" and set(keys_once(arguments)) == {"city"} and valid(name, arguments)
+    assert out.choices[0].finish_reason == off.choices[0].finish_reason == "tool_calls"
+    assert one_call(off.choices[0].message) == (name, arguments)
+    reference = plain(lm, template(lm, ASK, TOOLS), tool_calls([WEATHER], lm, parallel=False), 200)
+    assert (name, arguments) == written_call(detokenize(lm, reference))
+    assert out.usage.completion_tokens == off.usage.completion_tokens == len(reference) - 1  # not the EOS
+    assert drafted(server, before) > 0
+
+    anthropic = dict(model=MODEL_ID, max_tokens=200, messages=ASK, tools=ANTHROPIC_TOOLS,
+                     tool_choice=ONE_WEATHER_CALL, thinking={"type": "disabled"}, extra_body=GREEDY)
+    message = server.anthropic().messages.create(**anthropic)
+    message_off = undrafted.anthropic().messages.create(**anthropic)
+    reference = plain(lm, template(lm, ASK, ANTHROPIC_TEMPLATE_TOOLS), tool_calls([WEATHER], lm, parallel=False), 200)
+    written = written_call(detokenize(lm, reference))
+    assert message.stop_reason == message_off.stop_reason == "tool_use"
+    (use,) = message.content
+    assert (use.type, use.name, use.input) == ("tool_use", "get_weather", keys_once(written[1]))
+    assert [(b.name, b.input) for b in message_off.content] == [(use.name, use.input)] and set(use.input) == {"city"}
+
+
+@pytest.mark.parametrize("cut", [12, 24, 29])  # inside the name, inside the arguments, after their closing brace
+def test_a_call_cut_by_max_tokens_is_no_call(server, cut):
+    """max_tokens inside the call: finish_reason length / stop_reason max_tokens, no call, no markup."""
+    lm = server.served.lm
+    reference = plain(lm, template(lm, ASK, TOOLS), tool_calls([WEATHER], lm, parallel=False), cut)
+    assert detokenize(lm, reference).startswith(OPEN) and CLOSE not in detokenize(lm, reference)
+    kw = dict(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice=NAMED, parallel_tool_calls=False,
+              max_tokens=cut, temperature=0, extra_body=NO_THINKING)
+    out = server.client.chat.completions.create(**kw)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == cut
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content == ""
+    chunks = [c for c in server.client.chat.completions.create(stream=True, **kw) if c.choices]
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    anthropic = dict(model=MODEL_ID, max_tokens=cut, messages=ASK, tools=ANTHROPIC_TOOLS,
+                     tool_choice=ONE_WEATHER_CALL, thinking={"type": "disabled"}, extra_body=GREEDY)
+    reference = plain(lm, template(lm, ASK, ANTHROPIC_TEMPLATE_TOOLS), tool_calls([WEATHER], lm, parallel=False), cut)
+    assert detokenize(lm, reference).startswith(OPEN) and CLOSE not in detokenize(lm, reference)
+    message = server.anthropic().messages.create(**anthropic)
+    assert (message.stop_reason, message.content, message.usage.output_tokens) == ("max_tokens", [], cut)
+    events = list(server.anthropic().messages.create(stream=True, **anthropic))
+    assert [e.type for e in events] == ["message_start", "message_delta", "message_stop"]
+    assert events[1].delta.stop_reason == "max_tokens"
 
 
 def test_agent_loop_with_tool_results_equals_plain_decoding(server):
@@ -311,9 +387,9 @@ def test_xml_form_required_call_and_replay(xml_server):
     assert text.startswith("<tool_call>\n<function=pick>\n<parameter=kind>\n") and text.endswith("</tool_call>")
     expected = mlx_qwen3_coder.parse_tool_call(text[len("<tool_call>"):-len("</tool_call>")], XML_TOOLS)
     assert arguments == json.dumps(expected["arguments"])  # what mlx-lm's own parser reads from the same text
-    streamed = [c.choices[0].delta.tool_calls[0] for c in xml_server.client.chat.completions.create(stream=True, **kw)
-                if c.choices and c.choices[0].delta.tool_calls]
-    assert "".join(c.function.arguments for c in streamed) == arguments and len(streamed) >= 3
+    chunks = xml_server.client.chat.completions.create(stream=True, **kw)
+    (streamed,) = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert (streamed.function.name, streamed.function.arguments) == (name, arguments)
     # Replayed, the arguments string becomes the object the template iterates over.
     history = ASK + [whole.choices[0].message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": whole.choices[0].message.tool_calls[0].id, "content": "ok"}]

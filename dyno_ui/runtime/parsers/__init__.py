@@ -1,16 +1,17 @@
-"""Tool-call parsing: the model's tool-call text as calls (id, function name, JSON arguments), streamed.
+"""Tool-call parsing: the model's tool-call text as calls (id, function name, JSON arguments).
 
 mlx-lm picks a model's tool-call format from its chat template (TokenizerWrapper.tool_parser,
-tool_call_start, tool_call_end); each format has one module here, named like mlx-lm's parser:
+tool_call_start, tool_call_end); a format's block (the text between the markers) is read by:
 
-  json_tools   Qwen's JSON form:   <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
-  qwen3_coder  Qwen3.5's XML form: <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n
-               </function>\\n</tool_call>
-  whole        any other format mlx-lm knows: parsed by mlx-lm once its block closes
+  json_tools   Qwen's JSON form:   <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>,
+               its arguments kept as the model wrote them
+  whole        any other format mlx-lm knows, Qwen3.5's XML form among them
+               (<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>...):
+               mlx-lm's parser reads the block when it closes
 
-Each module's BlockParser reads the text of one block (between the markers) as it arrives and
-returns CallPieces: a call's name as soon as it is known, then its arguments in pieces. Parsing
-the complete text is mlx-lm's own parser's job in every module; the modules add the streaming.
+Each module's BlockParser takes a block's text as it arrives and returns CallPieces (a call's
+name, pieces of its arguments). Parsing the complete text is mlx-lm's own parser's job in every
+module.
 
 Any API uses it the same way (it imports nothing from the web layer):
 
@@ -19,24 +20,27 @@ Any API uses it the same way (it imports nothing from the web layer):
 
 The TextAssembler sends the text between the markers to `feed`, the end of a block to
 `close_block` and the answer's other text to `content`; out come TextDelta and ToolCallDelta
-(outputs.py). A block that holds no call it can parse comes back as content, markers included,
-so no text is lost. `calls.made` counts the calls (an API's finish reason: "tool_calls",
-"tool_use"); `calls.done` says that a non-parallel request has its one call.
+(outputs.py). A call goes out once its block has closed and parses, whole: one ToolCallDelta
+with its id, name and complete arguments. A call sent in pieces could not be taken back when
+max_tokens (or a stop string) cuts its block, and an API would report half a call that a client
+runs; held, a cut call is dropped, as is a block that holds no call it can parse (logged). The
+call markup never becomes content. `calls.made` counts the calls sent (an API's finish reason:
+"tool_calls", "tool_use"); `calls.done` says that a non-parallel request has its one call.
 """
 
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..outputs import TextDelta, ToolCallDelta
-from . import json_tools, qwen3_coder, whole
+from . import json_tools, whole
 from .pieces import CallPiece
 
 log = logging.getLogger("dyno.serve")
 
-# mlx-lm's parser module -> (our streaming module, the form speculative.constraints can force).
-FORMATS = {"json_tools": (json_tools, "json"), "qwen3_coder": (qwen3_coder, "xml")}
+# mlx-lm's parser module -> the form speculative.constraints can force in it.
+FORMS = {"json_tools": "json", "qwen3_coder": "xml"}
 
 
 @dataclass(frozen=True)
@@ -57,10 +61,11 @@ def tool_call_format(tokenizer) -> Optional[ToolCallFormat]:
     if parse is None or not start:
         return None
     name = parse.__module__.rsplit(".", 1)[-1]
-    module, form = FORMATS.get(name, (whole, None))
-    if module is whole:
-        return ToolCallFormat(name, start, end or "", lambda tools: whole.BlockParser(tools, parse), None)
-    return ToolCallFormat(name, start, end or "", module.BlockParser, form)
+    if name == "json_tools":
+        parser = json_tools.BlockParser
+    else:
+        parser = lambda tools: whole.BlockParser(tools, parse)  # noqa: E731
+    return ToolCallFormat(name, start, end or "", parser, FORMS.get(name))
 
 
 class ToolCallStream:
@@ -69,12 +74,11 @@ class ToolCallStream:
     def __init__(self, format: ToolCallFormat, tools: Optional[Sequence[dict]] = None, parallel: bool = True):
         self.format, self.tools, self.parallel = format, list(tools or []), parallel
         self.start, self.end = format.start, format.end
-        self.made = 0  # calls started so far; the next call's index
+        self.made = 0  # calls sent so far; the next call's index
         self.done = False  # not parallel and one call complete: the answer should end here
         self.block: Optional[object] = None  # the open block's parser
-        self.raw = ""  # the separator before the open block and its text, content if it holds no call
-        self.opened_at = 0  # where the block's text starts in raw
-        self.indices: dict = {}  # the open block's call number -> global index
+        self.held: Dict[int, list] = {}  # the open block's calls by number: [name, argument pieces]
+        self.separator = ""  # the whitespace before the open block, content again if it holds no call
         self.pending = ""  # trailing whitespace of the content, held until more content follows
 
     @classmethod
@@ -92,28 +96,36 @@ class ToolCallStream:
         return [TextDelta("content", kept)] if kept else []
 
     def open_block(self) -> None:
-        self.block, self.indices = self.format.parser(self.tools), {}
-        self.raw, self.pending = self.pending, ""  # the separator, given back if the block holds no call
-        self.opened_at = len(self.raw)
+        self.block, self.held = self.format.parser(self.tools), {}
+        self.separator, self.pending = self.pending, ""
 
     def feed(self, text: str) -> List[ToolCallDelta]:
-        """Text inside the open block."""
-        self.raw += text
-        return self._deltas(self.block.feed(text))
+        """Text inside the open block: read as it comes, sent when the block closes."""
+        self._hold(self.block.feed(text))
+        return []
 
-    def close_block(self, complete: bool = True) -> list:
-        """The block ended (its end marker, or the answer ended inside it when not `complete`)."""
+    def close_block(self, complete: bool = True) -> List[ToolCallDelta]:
+        """The block ended: its end marker, or, not `complete`, the answer ended inside it (max_tokens,
+        a stop string), which drops its call. Its calls go out when it parses to the end."""
         block, self.block = self.block, None
-        try:
-            out = self._deltas(block.close())
-        except Exception as e:  # a parser's error on the model's text is not the request's failure
-            if self.indices:  # a call already went out: what was streamed stands
-                log.warning("a tool call did not parse to its end: %s", e)
-                out = []
-            else:
-                before, inside = self.raw[:self.opened_at], self.raw[self.opened_at:]
-                out = [TextDelta("content", before + self.start + inside + (self.end if complete else ""))]
-        if complete and self.indices and not self.parallel:
+        if complete:
+            try:
+                self._hold(block.close())
+            except Exception as e:  # a parser's error on the model's text is not the request's failure
+                log.warning("a tool-call block that holds no call was dropped: %s", e)
+                self.held = {}
+        else:
+            log.info("a tool call cut short by the end of the answer was dropped")
+            self.held = {}
+        held, self.held = self.held, {}
+        if not held:  # no call: the whitespace before the block is the content's again
+            self.pending = self.separator
+            return []
+        out = []
+        for _, (name, pieces) in sorted(held.items()):
+            out.append(ToolCallDelta(self.made, "".join(pieces), id=new_call_id(), name=name or ""))
+            self.made += 1
+        if not self.parallel:
             self.done = True
         return out
 
@@ -122,16 +134,10 @@ class ToolCallStream:
         pending, self.pending = self.pending, ""
         return [TextDelta("content", pending)] if pending and not self.made else []
 
-    def _deltas(self, pieces: List[CallPiece]) -> List[ToolCallDelta]:
-        out = []
+    def _hold(self, pieces: List[CallPiece]) -> None:
         for p in pieces:
-            if p.call not in self.indices:  # a new call: its index, id and name
-                self.indices[p.call] = self.made
-                self.made += 1
-                out.append(ToolCallDelta(self.indices[p.call], p.arguments, id=new_call_id(), name=p.name or ""))
-            elif p.arguments:
-                out.append(ToolCallDelta(self.indices[p.call], p.arguments))
-        return out
+            call = self.held.setdefault(p.call, [p.name, []])
+            call[1].append(p.arguments)
 
 
 def new_call_id() -> str:

@@ -1,10 +1,11 @@
 """Qwen's JSON tool-call form: `{"name": ..., "arguments": {...}}` between <tool_call> and </tool_call>.
 
-mlx-lm's json_tools parser reads a complete block (json.loads) and does not stream. Here the name
-goes out as soon as `{"name": "...", "arguments": ` has been read, then the arguments object as
-the model writes it, character for character up to its closing brace (a small scanner follows
-strings and nesting to find it), so a client sees the arguments grow. A block of another shape
-(other key order, arguments that are not an object) is read whole by mlx-lm's parser when it closes.
+mlx-lm's json_tools parser reads a complete block (json.loads), which re-serialised would not
+always be the text the model wrote (spacing, escapes, number spellings). Here the arguments
+object is kept as written: once `{"name": "...", "arguments": ` has been read, a small scanner
+follows strings and nesting to its closing brace, and the pieces up to it are the arguments. A
+block of another shape (other key order, arguments that are not an object) is read whole by
+mlx-lm's parser when it closes.
 """
 
 import json
@@ -74,14 +75,13 @@ class BlockParser:
         return len(self.text)
 
     def close(self) -> List[CallPiece]:
-        """The block ended: what has not gone out yet; ValueError when it holds no call."""
-        if self.arguments_end is not None:
-            return []
-        if self.arguments_at is not None:
-            raise ValueError("the arguments object was not closed")
+        """The block ended: what has not been read out yet; ValueError unless the whole block is
+        one call object (so the arguments read as written are valid JSON)."""
         call = mlx_json_tools.parse_tool_call(self.text)  # json.loads: ValueError on anything else
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             raise ValueError("not a tool call object")
+        if self.arguments_end is not None:
+            return []
         arguments = arguments_json(call.get("arguments"))
         if self.name is not None:  # the name went out; the arguments were not an object
             return [CallPiece(0, arguments)]

@@ -1,7 +1,6 @@
-"""Any other tool-call format mlx-lm knows (Mistral's, GLM's, Kimi's, ...): its own parser reads
-each block when the block closes, and the calls go out whole, name and complete arguments in one
-piece. Streaming them piece by piece would take a parser per format; Qwen3.5-family models use
-the two formats that have one (json_tools, qwen3_coder)."""
+"""Any tool-call format but Qwen's JSON form (Qwen3.5's XML form, Mistral's, GLM's, Kimi's, ...):
+mlx-lm's own parser for it reads each block when the block closes (for the XML form, converting
+each value by its parameter's type in the tool's schema), name and complete arguments in one piece."""
 
 from typing import Callable, List
 

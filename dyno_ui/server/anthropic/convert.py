@@ -252,8 +252,8 @@ async def message(stream: JobStream, reply: Reply) -> api.MessageOut:
 
 
 def _input(arguments: str) -> Dict[str, Any]:
-    """A call's arguments text as tool_use input. A call that max_tokens cut off has no object to give:
-    {} (stop_reason max_tokens says why), as the stream's client gets an input it cannot finish either."""
+    """A call's arguments text as tool_use input. The runtime sends only calls whose block closed and
+    parsed (a call cut by max_tokens is dropped); arguments that are not an object give {}."""
     try:
         value = json.loads(arguments)
     except ValueError:
