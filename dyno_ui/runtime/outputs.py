@@ -14,6 +14,9 @@ class TextDelta:
 
     channel: str
     text: str
+    # The text of a tool-call block the answer ended inside with no call read from it, markers
+    # included: chat APIs keep it as content (no text is lost), the Responses API drops it.
+    cut: bool = False
 
 
 @dataclass(frozen=True)

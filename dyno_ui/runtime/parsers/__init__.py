@@ -76,6 +76,7 @@ class ToolCallStream:
         self.opened_at = 0  # where the block's text starts in raw
         self.indices: dict = {}  # the open block's call number -> global index
         self.pending = ""  # trailing whitespace of the content, held until more content follows
+        self.cut: tuple = ()  # indices of the calls in the block the answer ended inside (cut short)
 
     @classmethod
     def for_tokenizer(cls, tokenizer, tools=None, parallel: bool = True) -> Optional["ToolCallStream"]:
@@ -112,7 +113,10 @@ class ToolCallStream:
                 out = []
             else:
                 before, inside = self.raw[:self.opened_at], self.raw[self.opened_at:]
-                out = [TextDelta("content", before + self.start + inside + (self.end if complete else ""))]
+                out = [TextDelta("content", before + self.start + inside + (self.end if complete else ""),
+                                 cut=not complete)]
+        if not complete:
+            self.cut = tuple(sorted(self.indices.values()))
         if complete and self.indices and not self.parallel:
             self.done = True
         return out
