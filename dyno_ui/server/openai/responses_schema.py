@@ -18,8 +18,7 @@ from ...runtime.request import EFFORT_BUDGETS, JsonSchema
 from ..errors import validation_error
 from . import schema as chat
 
-STATELESS = ("previous_response_id: this server keeps no responses; send the whole conversation "
-             "in input (with store false)")
+STATELESS = "this server keeps no responses; send the whole conversation as input"
 REFUSED_RESPONSES: chat.Refusals = {
     "previous_response_id": (lambda v: False, STATELESS),
     "conversation": (lambda v: False, "this server keeps no conversations; send the whole conversation in input"),
