@@ -20,7 +20,8 @@ Any API uses it the same way (it imports nothing from the web layer):
 The TextAssembler sends the text between the markers to `feed`, the end of a block to
 `close_block` and the answer's other text to `content`; out come TextDelta and ToolCallDelta
 (outputs.py). A block that holds no call it can parse comes back as content, markers included,
-so no text is lost. `calls.made` counts the calls (an API's finish reason: "tool_calls",
+so no text is lost (marked `cut` when the answer ended inside it); `calls.cut` lists the calls of
+a block the answer ended inside. `calls.made` counts the calls (an API's finish reason: "tool_calls",
 "tool_use"); `calls.done` says that a non-parallel request has its one call.
 """
 
