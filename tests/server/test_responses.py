@@ -271,3 +271,38 @@ def test_bad_requests_are_one_line_400s(server, body, message, param):
     if message is not None:
         assert error["message"] == message
     assert "\n" not in error["message"]
+
+
+def test_every_event_validates_as_the_sdks_types_and_a_failure_ends_the_stream(server):
+    """Each event the Reply makes, a failure mid-stream included, validated strictly by the openai
+    package's own stream-event union (its client only constructs them)."""
+    from typing import get_args
+
+    from openai.types.responses import ResponseStreamEvent
+
+    from dyno_ui.runtime.outputs import Failed, Finished, TextDelta, ToolCallDelta
+    from dyno_ui.server.openai import responses_convert, responses_schema
+
+    req = responses_schema.ResponsesRequest.model_validate({"model": MODEL_ID, "input": "x", "tools": [WEATHER]})
+    members = get_args(get_args(ResponseStreamEvent)[0])
+    kinds = {get_args(m.model_fields["type"].annotation)[0]: m for m in members}
+
+    def run(outputs):
+        _, job = responses_convert.responses_job(server.served, req, lambda item: None)  # made, never submitted
+        reply = responses_convert.Reply(req, MODEL_ID, job)
+        got = reply.start() + [e for item in outputs for e in reply.on(item)]
+        for event in got:
+            kinds[event.type].model_validate(event.model_dump(mode="json"))
+        return got
+
+    done = run([TextDelta("reasoning", "hm"), TextDelta("content", "Hi"), ToolCallDelta(0, "{", id="call_1", name="f"),
+                ToolCallDelta(0, "}"), Finished("stop", 5, 4, 0)])
+    assert [e.type for e in done][-6:] == [
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    assert [o.type for o in done[-1].response.output] == ["reasoning", "message", "function_call"]
+    failed = run([TextDelta("content", "Hi"), Failed("generation failed: boom")])
+    assert [e.type for e in failed[-2:]] == ["error", "response.failed"]
+    assert failed[-2].message == "generation failed: boom" and failed[-1].response.status == "failed"
+    assert failed[-1].response.error.message == "generation failed: boom"

@@ -362,7 +362,8 @@ OutputItem = Union[MessageOut, ReasoningOut, FunctionCallOut]
 
 
 class InputTokensDetails(BaseModel):
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # the prompt prefix reused from an earlier request
+    cache_write_tokens: int = 0  # OpenAI's explicit prompt caching, which Dyno has not (its cache is implicit)
 
 
 class OutputTokensDetails(BaseModel):
