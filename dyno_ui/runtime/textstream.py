@@ -48,6 +48,8 @@ class TextAssembler:
         self.where = initial if initial in transitions else "normal"
         self.state = self.machine.make_state(self.where)
         self.stopped = False
+        self.reasoning_tokens = 0  # tokens that arrived inside the reasoning block
+
 
     def matched_stop(self) -> Optional[str]:
         """The stop string that ended the text, if one did: the one completed first in the decoded
@@ -60,6 +62,7 @@ class TextAssembler:
 
     def add(self, token: int) -> List[Piece]:
         """Outputs made printable by `token` (possibly none); sets `stopped` when a stop string completes."""
+        self.reasoning_tokens += self.where == "reasoning"
         self.detokenizer.add_token(token)
         return self._split(self.detokenizer.last_segment)
 

@@ -48,6 +48,8 @@ def validation_error(errors) -> ApiError:
     param = ".".join(loc) or None
     if not loc and first.get("type") == "model_type":
         return ApiError(400, "The request body must be a JSON object")
+    if first.get("type") == "extra_forbidden":  # types that refuse fields they do not know
+        return ApiError(400, f"{param}: unknown parameter", param=param, code="unknown_parameter")
     return ApiError(400, f"{param}: {first['msg']}" if param else str(first["msg"]), param=param)
 
 

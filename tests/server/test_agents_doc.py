@@ -9,6 +9,7 @@ import os
 import random
 import re
 import shlex
+import tomllib
 from pathlib import Path
 
 import anthropic
@@ -50,7 +51,7 @@ def commands(block: str):
 
 def test_the_page_has_only_examples_this_file_runs():
     fences = [kind for kind, _ in re.findall(r"```(\w*)\n(.*?)```", section(), flags=re.S)]
-    assert fences == ["bash", "bash", "python", "python", "python", "bash"]
+    assert fences == ["bash", "bash", "python", "python", "python", "bash", "toml", "python"]
     assert "](docs/agents.md)" in README.read_text()  # the README's dyno serve section links here
 
 
@@ -131,3 +132,37 @@ def test_curl_examples(readme_server):
     assert answers[1] == {"input_tokens": answers[0]["usage"]["input_tokens"]
                           + answers[0]["usage"]["cache_read_input_tokens"]}
     assert "max_tokens" not in prompt
+
+
+def test_codex_config_reaches_the_responses_route(readme_server, monkeypatch):
+    """The Codex provider's base URL, key variable and wire API, and a request shaped as Codex sends
+    it (instructions, developer and user messages, a function tool, store false, streamed)."""
+    (block,) = blocks("toml")
+    config = tomllib.loads(block)
+    provider = config["model_providers"][config["model_provider"]]
+    assert provider["wire_api"] == "responses" and provider["base_url"] == ADDRESS + "/v1"
+    monkeypatch.setenv(provider["env_key"], "my-key")
+    client = openai.OpenAI(base_url=provider["base_url"].replace(ADDRESS, readme_server.url),
+                           api_key=os.environ[provider["env_key"]], max_retries=0)
+    shell = {"type": "function", "name": "shell", "description": "Runs a command", "strict": False,
+             "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+                            "required": ["command"]}}
+    events = list(client.responses.create(
+        model=config["model"], instructions="You are a coding agent.", stream=True, store=False,
+        input=[{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]}],
+        tools=[shell], tool_choice="auto", parallel_tool_calls=False, include=["reasoning.encrypted_content"],
+        prompt_cache_key="session-1", max_output_tokens=16))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    chat = client.chat.completions.create(model=config["model"], max_tokens=1, messages=[{"role": "user", "content": "x"}])
+    assert events[-1].response.model == chat.model  # the served model's id, as chat completions name it
+
+
+def test_agents_sdk_example(readme_server):
+    pytest.importorskip("agents")  # openai-agents is not among the test dependencies
+    (code,) = blocks("python")[3:]
+    out = io.StringIO()
+    random.seed(0)
+    with contextlib.redirect_stdout(out):
+        exec(compile(code.replace(ADDRESS, readme_server.url), "docs/agents.md Agents SDK example", "exec"), {})
+    assert out.getvalue().strip()

@@ -1,6 +1,6 @@
 """Property-based fuzzing of the real server: random and boundary values for every field of
-/v1/chat/completions and /v1/completions, serial and batched, each sent while a well-formed request
-runs beside it. Pass: no 5xx, no hang, /health 200, every well-formed answer exactly right."""
+/v1/chat/completions, /v1/completions and /v1/responses, serial and batched, each sent while a
+well-formed request runs beside it. Pass: no 5xx, no hang, /health 200, every well-formed answer exactly right."""
 
 import json
 import math
@@ -90,8 +90,46 @@ COMPLETION = body(
     st.tuples(st.sampled_from(["prompt", "logprobs"]),
               TEXT | INTS | st.lists(INTS, max_size=6) | st.lists(TEXT, max_size=2) | JUNK),
 )
+PART = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]) | JUNK,
+                              "text": TEXT | JUNK})
+ITEM = st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "item_reference"])
+     | JUNK},
+    optional={"role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]) | JUNK,
+              "content": TEXT | st.lists(PART, max_size=3) | JUNK, "call_id": TEXT | JUNK, "name": TEXT | JUNK,
+              "arguments": TEXT | st.just('{"a": 1}') | JUNK, "output": TEXT | JUNK,
+              "summary": st.lists(st.fixed_dictionaries({"type": st.just("summary_text"), "text": TEXT}),
+                                  max_size=2) | JUNK},
+)
+FUNCTION = st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]) | JUNK, "name": TEXT | JUNK},
+                                 optional={"parameters": st.just({"type": "object"}) | JUNK, "strict": ANY})
+# /v1/responses: its own field names (max_output_tokens, input, text.format, reasoning.effort) over a
+# mostly well-formed base, as for chat.
+RESPONSE_FIELDS = {
+    "max_output_tokens": INTS | JUNK, "temperature": FLOATS | JUNK, "top_p": FLOATS | JUNK,
+    "stream": st.booleans() | JUNK, "instructions": TEXT | JUNK, "store": ANY, "metadata": ANY, "user": ANY,
+    "input": TEXT | st.lists(ITEM, max_size=4) | JUNK, "tools": st.lists(FUNCTION, max_size=2) | JUNK,
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"},
+                                    {"type": "web_search"}]) | JUNK,
+    "parallel_tool_calls": ANY, "previous_response_id": TEXT | JUNK, "include": ANY, "unknown_field": ANY,
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                             {"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}}},
+                             {"format": {"type": "json_schema"}}, {"verbosity": "low"}]) | JUNK,
+    "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["none", "minimal", "low", "x"])
+                                                     | JUNK, "summary": TEXT | JUNK}) | JUNK,
+}
+RESPONSES = st.tuples(
+    st.fixed_dictionaries({"model": st.just(MODEL_ID), "max_output_tokens": st.integers(1, 24),
+                           "input": TEXT | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": TEXT}),
+                                                    min_size=1, max_size=2),
+                           "reasoning": st.just({"effort": "none"})}),
+    st.lists(st.sampled_from(sorted(RESPONSE_FIELDS)).flatmap(
+        lambda name: st.tuples(st.just(name), RESPONSE_FIELDS[name])), max_size=4).map(dict),
+).map(lambda bf: {**bf[0], **bf[1]})
 STATUSES = {}  # (decode concurrency, drafting in batches) -> the statuses its fuzzed requests got
-REQUEST = st.tuples(st.just("/v1/chat/completions"), CHAT) | st.tuples(st.just("/v1/completions"), COMPLETION)
+# One examples budget across the three routes.
+REQUEST = (st.tuples(st.just("/v1/chat/completions"), CHAT) | st.tuples(st.just("/v1/completions"), COMPLETION)
+           | st.tuples(st.just("/v1/responses"), RESPONSES))
 
 
 @pytest.fixture(scope="module", params=[(1, False), (3, False), (3, True)],
@@ -157,6 +195,11 @@ def test_no_request_gets_a_5xx_or_hurts_another(server, expected, request):
         error = reply["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
         assert "\n" not in error["message"]
+    elif path == "/v1/responses" and isinstance(reply, list):  # its semantic events, the last the Response
+        kinds = [json.loads(event)["type"] for event in reply]
+        assert kinds[-1] in ("response.completed", "response.incomplete") and "error" not in kinds, kinds
+    elif path == "/v1/responses":
+        assert reply["status"] in ("completed", "incomplete") and reply["object"] == "response"
     elif isinstance(reply, list):  # a stream: it ends properly, and no error was sent in it
         assert reply[-1] == "[DONE]"
         assert not any('"error"' in event for event in reply[:-1]), reply

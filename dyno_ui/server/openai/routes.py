@@ -1,4 +1,5 @@
-"""The OpenAI routes: /v1/chat/completions, /v1/completions (/v1/models: server/models.py). They only translate."""
+"""The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/responses (/v1/models: server/models.py).
+They only translate."""
 
 import asyncio
 
@@ -8,7 +9,8 @@ from fastapi.responses import StreamingResponse
 from ...runtime.served import ServedModel
 from ..errors import read_request
 from ..streaming import SSE_HEADERS, JobStream
-from . import convert
+from . import convert, responses_convert
+from . import responses_schema
 from . import schema as api
 
 
@@ -34,3 +36,15 @@ def add_routes(app: FastAPI, served: ServedModel, max_body_bytes: int) -> None:
     async def complete(request: Request):
         return await answer(request, api.CompletionRequest, convert.completion_job, convert.completion_events,
                             convert.completion_response)
+
+    @app.post("/v1/responses")
+    async def respond(request: Request):
+        req = await read_request(request, responses_schema.ResponsesRequest, max_body_bytes)
+        stream = JobStream(served.worker)
+        model_id, job = await asyncio.to_thread(responses_convert.responses_job, served, req, stream.sink)
+        reply = responses_convert.Reply(req, model_id, job)
+        stream.submit(job)
+        if req.stream:
+            return StreamingResponse(responses_convert.response_events(stream, reply), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        return await responses_convert.whole_response(stream, reply)
