@@ -60,6 +60,7 @@ class ServeOptions:
     port: int = 8080
     decode_concurrency: int = 1
     max_tokens_default: int = 512  # for requests that do not set max_tokens
+    reasoning_budget: Optional[int] = None  # thinking tokens for chat requests that set no budget (None: unlimited)
     ui: bool = True  # the playground at /ui (serial decoding only)
     ui_front: bool = False  # `python app.py`: / redirects to the playground, Gradio's URL line last
     api_key: Optional[str] = None  # required on /v1/* and at the playground's login
@@ -91,6 +92,8 @@ class ServeOptions:
             raise DynoError(f"--max-queue must be 0 or more, got {self.max_queue}")
         if self.max_tokens_default < 1:
             raise DynoError(f"--max-tokens-default must be at least 1, got {self.max_tokens_default}")
+        if self.reasoning_budget is not None and self.reasoning_budget < 0:
+            raise DynoError(f"--reasoning-budget must be 0 or more, got {self.reasoning_budget}")
         if self.model.distributed and self.batched:
             raise DynoError("--distributed decodes one request at a time across the ranks; "
                             "drop --decode-concurrency")

@@ -8,6 +8,7 @@ from .errors import DynoError
 
 if TYPE_CHECKING:  # constraints.py pulls in MLX and llguidance, which settings alone do not need
     from .constraints import Constraint
+    from .thinking_budget import ThinkingBudget
 
 MODES = ("auto", "mtp", "off")
 MAX_DRAFT_DEPTH = 8
@@ -38,6 +39,9 @@ class SamplingParams:
     frequency_context_size: int = PENALTY_CONTEXT
     # Structured output (constraints.py): a grammar mask, also a function of the generated tokens.
     constraint: Optional["Constraint"] = None
+    # At most this many tokens inside a <think> block, then Qwen's closing phrase (thinking_budget.py):
+    # a function of the generated tokens too. None: thinking runs as long as the model likes.
+    thinking_budget: Optional["ThinkingBudget"] = None
     # Log-probabilities on each Token event (events.TokenLogprobs): None or -1 for none, else the
     # number of top alternatives with each (0 for the emitted token's alone; at most MAX_LOGPROBS).
     logprobs: Optional[int] = None
@@ -89,6 +93,14 @@ class SamplingParams:
 
             if not isinstance(self.constraint, Constraint):
                 bad(f"constraint must be a Constraint (speculative.constraints), got {type(self.constraint).__name__}")
+        if self.thinking_budget is not None:
+            from .thinking_budget import ThinkingBudget
+
+            if isinstance(self.thinking_budget, Mapping):  # as dataclasses.asdict left it (distributed orders)
+                object.__setattr__(self, "thinking_budget", ThinkingBudget(**self.thinking_budget))
+            if not isinstance(self.thinking_budget, ThinkingBudget):
+                bad(f"thinking_budget must be a ThinkingBudget (speculative.thinking_budget), "
+                    f"got {type(self.thinking_budget).__name__}")
         if self.seed is not None:
             if not isinstance(self.seed, int) or isinstance(self.seed, bool):
                 bad(f"seed must be an integer, got {self.seed!r}")
@@ -121,8 +133,8 @@ class SamplingParams:
 
     @property
     def has_processors(self) -> bool:
-        """True when logit bias, a penalty or a constraint changes the logits before the warp."""
-        return self.has_penalties or self.constraint is not None
+        """True when logit bias, a penalty, a constraint or a thinking budget changes the logits before the warp."""
+        return self.has_penalties or self.constraint is not None or self.thinking_budget is not None
 
 
 @dataclass(frozen=True)

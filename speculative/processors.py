@@ -1,8 +1,9 @@
-"""Logit bias, repetition/presence/frequency penalties and a grammar, applied position by position.
+"""Logit bias, repetition/presence/frequency penalties, a grammar and a thinking budget, applied
+position by position.
 
-The penalties are mlx-lm's own processors (`make_logits_processors`) and the grammar is
-constraints.py's mask, last, so plain decoding and speculative decoding transform logits
-identically. Each one is a function of the token prefix only, which is what keeps drafting exact:
+The penalties are mlx-lm's own processors (`make_logits_processors`), then constraints.py's grammar
+mask, then thinking_budget.py's rule (last: where it forces a token, nothing may unforce it), so
+plain decoding and speculative decoding transform logits identically. Each one is a function of the token prefix only, which is what keeps drafting exact:
 the row that scores position i (draft or target) is processed with the tokens before position i,
 drafts included, exactly as plain decoding would have processed it had those drafts been its own
 tokens.
@@ -20,7 +21,8 @@ Processor = Callable[[mx.array, mx.array], mx.array]
 
 def processors_for(params: SamplingParams) -> List[Processor]:
     """The logits processors for these parameters (empty when none apply), fresh for one generation:
-    mlx-lm's penalties, then the constraint's grammar mask (it keeps a matcher per generation)."""
+    mlx-lm's penalties, the constraint's grammar mask (it keeps a matcher per generation), then the
+    thinking budget."""
     processors = []
     if params.has_penalties:
         processors = make_logits_processors(
@@ -34,6 +36,8 @@ def processors_for(params: SamplingParams) -> List[Processor]:
         )
     if params.constraint is not None:
         processors.append(params.constraint.processor())
+    if params.thinking_budget is not None:
+        processors.append(params.thinking_budget.processor())
     return processors
 
 
@@ -56,7 +60,8 @@ class PrefixProcessors:
         self.processors = processors_for(params)
         self.window = max(params.repetition_context_size, params.presence_context_size,
                           params.frequency_context_size)
-        self.whole_output = params.constraint is not None  # a grammar reads every generated token
+        # A grammar reads every generated token, and so does a thinking budget (its block may be long).
+        self.whole_output = params.constraint is not None or params.thinking_budget is not None
 
     def __bool__(self) -> bool:
         return bool(self.processors)
@@ -64,9 +69,9 @@ class PrefixProcessors:
     def tail(self, prompt: Sequence[int], generated: Sequence[int]) -> mx.array:
         """The last `window` tokens of prompt + generated: all any processor reads of them.
 
-        With a grammar, every generated token after the prompt's last `window` (penalties read
-        only their window's end): the prompt part keeps its length, which is how the grammar
-        tells generated tokens from the prompt (GrammarProcessor takes its first call as prompt).
+        With a grammar or a thinking budget, every generated token after the prompt's last `window`
+        (penalties read only their window's end): the prompt part keeps its length, which is how
+        those tell generated tokens from the prompt (they take their first call as the prompt).
         """
         w = self.window
         if self.whole_output:

@@ -23,6 +23,9 @@ def add_command(sub) -> None:
                         "(default: %(default)s)")
     p.add_argument("--max-tokens-default", type=int, default=ServeOptions.max_tokens_default, metavar="N",
                    help="max_tokens for requests that do not set it (default: %(default)s)")
+    p.add_argument("--reasoning-budget", type=int, metavar="N",
+                   help="tokens a chat answer may think (inside <think>) before the server closes the block with "
+                        "Qwen's closing phrase, for requests that set no budget (default: unlimited)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the Gradio playground at /ui")
     p.add_argument("--prompt-cache-bytes", metavar="SIZE",
                    help="memory kept for reusing earlier prompts' states, e.g. 8GB, 512MiB, 0 for none "
@@ -41,6 +44,7 @@ def add_command(sub) -> None:
 def options_from(args) -> ServeOptions:
     return ServeOptions(model=model_options(args), host=args.host, port=args.port,
                         decode_concurrency=args.decode_concurrency, max_tokens_default=args.max_tokens_default,
+                        reasoning_budget=args.reasoning_budget,
                         ui=not args.no_ui, prompt_cache_bytes=args.prompt_cache_bytes,
                         prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
                         max_batch_memory=args.max_batch_memory, max_queue=args.max_queue,

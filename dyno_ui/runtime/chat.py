@@ -1,15 +1,17 @@
 """A ChatRequest (runtime/request.py) becomes a job here, the same way for every API: pick the model,
-check the tools, apply the chat template, compile the grammar the answer follows, check the prompt
-against the context, and make the job that splits reasoning and parses tool calls.
+check the tools, apply the chat template, compile the grammar the answer follows, set the thinking
+budget, check the prompt against the context, and make the job that splits reasoning and parses tool
+calls.
 
 Errors are ApiErrors naming the field at fault (OpenAI's field names, as ApiError's other names).
 """
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from speculative.constraints import constraint_for
 from speculative.loader import LoadedModel
+from speculative.thinking_budget import ThinkingBudget, budget_for
 
 from .errors import bad_request
 from .request import ChatRequest, Message, ToolCall
@@ -41,17 +43,29 @@ def prompt_for(served: ServedModel, request: ChatRequest) -> Prompt:
 
 def job_for(served: ServedModel, request: ChatRequest, sink) -> Tuple[str, Job]:
     """(served model id, job) for `request`: the templated prompt, the answer held to a forced call or
-    the response format (after any reasoning the template opened), tool calls parsed."""
+    the response format (after any reasoning the template opened), thinking held to its budget, tool
+    calls parsed."""
     prompt = prompt_for(served, request)
     lm = prompt.lm
     with bad_request("response_format"):
         response = None if request.response_format is None else constraint_for(request.response_format, lm)
     with bad_request("tool_choice"):
         constraint = answer_constraint(lm, prompt.tokens, request, response)
+    budget = thinking_budget(served, request, prompt)
     params = checked_sampling(lm, prompt.tokens, "messages", request.sampling, served.default_max_tokens,
-                              constraint)
+                              constraint, budget)
     job = chat_job(lm, prompt.tokens, params, list(request.stop), sink, tool_calls=tool_call_stream(lm, request))
     return prompt.model, job
+
+
+def thinking_budget(served: ServedModel, request: ChatRequest, prompt: Prompt) -> Optional[ThinkingBudget]:
+    """The request's thinking budget, else the server's (--reasoning-budget); None when neither sets
+    one or the model has no single-token think tags to count between."""
+    budget = request.thinking_budget if request.thinking_budget is not None else served.reasoning_budget
+    if budget is None:
+        return None
+    with bad_request("thinking_budget"):
+        return budget_for(prompt.lm, budget, prompt.tokens)
 
 
 def template_message(message: Message) -> dict:

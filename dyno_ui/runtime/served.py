@@ -35,6 +35,7 @@ class ServedModel:
     created: int
     loading: Optional[str] = None  # the model being loaded in its place (the Models tab), if any
     names: Tuple[str, ...] = ()  # --served-model-name: more ids requests may use for whichever model is served
+    reasoning_budget: Optional[int] = None  # --reasoning-budget: thinking tokens for chat requests that set none
     _swap: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def replace(self, lm: LoadedModel) -> None:
@@ -99,9 +100,10 @@ def chat_prompt(lm: LoadedModel, messages: List[dict], template_kwargs: Optional
 
 
 def sampling_params(sampling: Sampling, generation_config: Mapping, default_max_tokens: int, room: int,
-                    vocab: int, constraint=None) -> SamplingParams:
+                    vocab: int, constraint=None, thinking_budget=None) -> SamplingParams:
     """SamplingParams: the request's values over generation_config over greedy; max_tokens (the
-    server's default when not given) capped by `room`; `constraint` the grammar the answer follows."""
+    server's default when not given) capped by `room`; `constraint` the grammar the answer follows,
+    `thinking_budget` the limit on its think block (speculative.thinking_budget)."""
     wanted = sampling.max_tokens or default_max_tokens
     context = sampling.penalty_context
     return SamplingParams.from_generation_config(
@@ -110,7 +112,7 @@ def sampling_params(sampling: Sampling, generation_config: Mapping, default_max_
         logit_bias=_token_biases(sampling.logit_bias, vocab), repetition_penalty=sampling.repetition_penalty,
         repetition_context_size=context, presence_penalty=sampling.presence_penalty, presence_context_size=context,
         frequency_penalty=sampling.frequency_penalty, frequency_context_size=context,
-        constraint=constraint, logprobs=sampling.logprobs,
+        constraint=constraint, thinking_budget=thinking_budget, logprobs=sampling.logprobs,
     )
 
 
@@ -131,7 +133,7 @@ def _token_biases(logit_bias: Optional[Mapping[str, float]], vocab: int) -> Opti
 
 
 def checked_sampling(lm: LoadedModel, prompt: Sequence[int], field: str, sampling: Sampling,
-                     default_max_tokens: int, constraint=None) -> SamplingParams:
+                     default_max_tokens: int, constraint=None, thinking_budget=None) -> SamplingParams:
     """SamplingParams (sampling_params) for a prompt that fits: not empty, shorter than the context."""
     n, limit = len(prompt), lm.context_length
     if n == 0:
@@ -141,7 +143,7 @@ def checked_sampling(lm: LoadedModel, prompt: Sequence[int], field: str, samplin
                             f"prompt has {n} tokens", param=field, code="context_length_exceeded")
     try:
         return sampling_params(sampling, lm.generation_config, default_max_tokens, limit - n, lm.vocab_size,
-                               constraint)
+                               constraint, thinking_budget)
     except DynoError as e:
         raise ApiError(400, e.message) from None
 

@@ -141,7 +141,8 @@ def run(options: ServeOptions) -> int:
                           depth_policy=lambda lm, spec: resolve_policy(lm, m.draft_depth, spec.draft_vocab))
     lm = worker.start()  # notices were printed while loading
     served = ServedModel(id=lm.path.name, lm=lm, worker=worker, default_max_tokens=options.max_tokens_default,
-                         created=int(time.time()), names=options.served_model_names)
+                         created=int(time.time()), names=options.served_model_names,
+                         reasoning_budget=options.reasoning_budget)
     sock = listen(options.host, options.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

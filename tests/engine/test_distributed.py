@@ -238,9 +238,11 @@ def test_order_travels_whole():
     """What rank 0 sends is what every rank runs: prompt, every sampling field, drafting, chunking;
     rank 0 draws the seed when the request has none."""
     from speculative.distributed import Order, with_seed
+    from speculative.thinking_budget import ThinkingBudget
 
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, max_tokens=9, seed=2**63 + 5,
-                            logit_bias={7: -1.5, 3: 2.0}, repetition_penalty=1.1, presence_penalty=0.5)
+                            logit_bias={7: -1.5, 3: 2.0}, repetition_penalty=1.1, presence_penalty=0.5,
+                            thinking_budget=ThinkingBudget(16, 8, 9, (4, 9, 5), open=True))
     order = Order((1, 2, 3), params, SpecConfig("mtp", 2, 160), 64)
     assert Order.decode(order.encode()) == order
     drawn = with_seed(SamplingParams(temperature=1.0))

@@ -2,12 +2,14 @@
 request, the same prompt and the same grammar. And what each API's own fields mean (response_format,
 tool_choice) is translated at the API, not in the engine."""
 
+import dataclasses
+
 import pytest
 
 from dyno_ui.paths import BUNDLED_MODEL
 from dyno_ui.runtime import chat
 from dyno_ui.runtime.errors import ApiError
-from dyno_ui.runtime.request import ChatRequest, Tool, ToolChoice
+from dyno_ui.runtime.request import EFFORT_BUDGETS, ChatRequest, Tool, ToolChoice
 from dyno_ui.runtime.served import ServedModel
 from dyno_ui.runtime.tools import answer_constraint, callable_tools
 from dyno_ui.server.anthropic import convert as anthropic_convert
@@ -17,6 +19,7 @@ from dyno_ui.server.openai import schema as openai_api
 from speculative.constraints import JsonSchema, constraint_for, tool_call_schema
 from speculative.errors import DynoError
 from speculative.loader import load_checkpoint
+from speculative.thinking_budget import budget_for
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
            "required": ["city"], "additionalProperties": False}
@@ -93,8 +96,8 @@ def test_equivalent_requests_are_one_chat_request():
       "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}},
      {"tool_choice": {"type": "auto"}, "output_config": {"format": {"type": "json_schema", "schema": PERSON}},
       "thinking": {"type": "adaptive"}}),
-    ({"tool_choice": "none", "chat_template_kwargs": {"enable_thinking": True}},
-     {"tool_choice": {"type": "none"}, "thinking": {"type": "enabled", "budget_tokens": 100}}),
+    ({"tool_choice": "none", "chat_template_kwargs": {"enable_thinking": True}, "reasoning_effort": "low"},
+     {"tool_choice": {"type": "none"}, "thinking": {"type": "enabled", "budget_tokens": 512}}),
 ], ids=["named", "required, no thinking", "auto with a format", "none, thinking"])
 def test_both_apis_make_the_same_job(served, openai, anthropic):
     """The same prompt token ids, the same grammar and sampling, the same stops and tool-call parsing."""
@@ -163,3 +166,28 @@ def test_tool_choice_picks_the_tools_a_call_may_name(served):
     # A tool given without parameters takes an object with any properties.
     assert callable_tools(ChatRequest((), tools=(Tool("f"),), tool_choice=ToolChoice("required")))[0].parameters == {
         "type": "object", "properties": {}}
+
+
+# ---- the thinking budget: each API's field, else the server's --reasoning-budget ----
+
+@pytest.mark.parametrize("effort", list(EFFORT_BUDGETS))
+def test_reasoning_effort_is_a_thinking_budget(effort):
+    assert from_openai(reasoning_effort=effort).thinking_budget == EFFORT_BUDGETS[effort]
+    assert from_openai().thinking_budget is None
+
+
+def test_anthropic_budget_tokens_is_the_thinking_budget():
+    assert from_anthropic(thinking={"type": "enabled", "budget_tokens": 96}).thinking_budget == 96
+    assert from_anthropic(thinking={"type": "disabled", "budget_tokens": 96}).thinking_budget is None
+    assert from_anthropic(thinking={"type": "enabled"}).thinking_budget is None
+
+
+def test_a_request_without_a_budget_gets_the_servers(served):
+    request = from_openai(chat_template_kwargs={"enable_thinking": True}, tool_choice="none")
+    assert job(served, request).params.thinking_budget is None  # no --reasoning-budget: unlimited
+    tokens = job(served, request).prompt
+    with_default = dataclasses.replace(served, reasoning_budget=40)
+    budget = job(with_default, request).params.thinking_budget
+    assert budget == budget_for(served.lm, 40, tokens) and budget.open and budget.budget == 40
+    assert job(with_default, from_openai(chat_template_kwargs={"enable_thinking": True}, tool_choice="none",
+                                         reasoning_effort="minimal")).params.thinking_budget.budget == 0

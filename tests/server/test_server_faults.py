@@ -149,6 +149,7 @@ def headless(tmp_path_factory):
     (["--speculative", "mtp"], "no MTP head for"),
     (["--speculative", "mtp", "--decode-concurrency", "2"], "no MTP head for"),
     (["--decode-concurrency", "0"], "--decode-concurrency must be at least 1, got 0"),
+    (["--reasoning-budget", "-1"], "--reasoning-budget must be 0 or more, got -1"),
 ])
 def test_serve_refuses_what_it_cannot_do(headless, capsys, args, message):
     assert cli.main(["serve", "--model", str(headless), "--port", "0", *args]) == 2

@@ -319,6 +319,8 @@ def test_strict_tools_with_auto_choice(server):
      "invalid tool_choice: no tool named 'mul' in tools"),
     ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools.0.type",
      "tools.0.type: Input should be 'function'"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort",
+     "reasoning_effort: Input should be 'minimal', 'low', 'medium' or 'high'"),
     ({"tool_choice": "required"}, "tool_choice",
      "invalid tool_choice: it requires a tool call but no tools were given"),
 ])
@@ -331,7 +333,7 @@ def test_invalid_structure_is_a_400_naming_it(server, body, param, message):
 
 CHAT_REFUSED = [("n", 2), ("audio", {"voice": "alloy", "format": "wav"}),
                 ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
-                ("reasoning_effort", "low"), ("verbosity", "low"), ("web_search_options", {}),
+                ("verbosity", "low"), ("web_search_options", {}),
                 ("functions", [{"name": "f"}]), ("function_call", "auto"), ("store", True)]
 COMPLETION_REFUSED = [("n", 2), ("echo", True), ("suffix", "x"), ("best_of", 2)]
 

@@ -47,6 +47,7 @@ def chat_request(req: api.Conversation, default_thinking: bool = False) -> ChatR
         thinking = req.thinking.type == "enabled"
     if req.thinking is None and not default_thinking:  # not given: no thinking, as in Anthropic's API
         thinking = False
+    budget = req.thinking.budget_tokens if thinking else None  # else the server's, if it sets one
     if prefill:  # the prefill is the text answer's start: the template closes its think block first
         thinking = False
     choice, parallel = tool_choice(req.tool_choice)
@@ -58,7 +59,7 @@ def chat_request(req: api.Conversation, default_thinking: bool = False) -> ChatR
         messages=tuple(conversation(req, messages)), model=req.model, tools=tuple(tools(req.tools)),
         tool_choice=choice, parallel_tool_calls=parallel,
         response_format=None if req.output_schema is None else JsonSchema(req.output_schema),
-        thinking=thinking, prefill=prefill, sampling=sampling, stop=stop)
+        thinking=thinking, thinking_budget=budget, prefill=prefill, sampling=sampling, stop=stop)
 
 
 def conversation(req: api.Conversation, messages: List[api.Message]) -> List[Message]:

@@ -141,7 +141,7 @@ class ToolChoice(_Request):
 
 class Thinking(_Request):
     type: Literal["enabled", "disabled", "adaptive"]  # adaptive: as the chat template decides by default
-    budget_tokens: Optional[int] = Field(None, ge=1)  # accepted; max_tokens bounds the whole answer
+    budget_tokens: Optional[int] = Field(None, ge=1)  # with enabled: the thinking budget (None: the server's)
 
 
 class JsonFormat(_Request):

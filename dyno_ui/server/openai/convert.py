@@ -18,12 +18,14 @@ from . import schema as api
 
 
 def chat_request(req: api.ChatCompletionRequest) -> ChatRequest:
-    """The request in the runtime's terms: messages, tools, tool_choice resolved, response_format as a schema."""
+    """The request in the runtime's terms: messages, tools, tool_choice resolved, response_format as a
+    schema, reasoning_effort as a thinking budget."""
     return ChatRequest(
         messages=tuple(m.message() for m in req.messages), model=req.model,
         tools=tuple(t.tool() for t in req.tools or ()), tool_choice=req.choice(),
         parallel_tool_calls=req.parallel_tool_calls is not False, response_format=format_spec(req.response_format),
-        template_kwargs=req.chat_template_kwargs or {}, sampling=req.sampling(), stop=tuple(req.stop_strings()))
+        template_kwargs=req.chat_template_kwargs or {}, thinking_budget=req.thinking_budget(),
+        sampling=req.sampling(), stop=tuple(req.stop_strings()))
 
 
 def chat_job(served: ServedModel, req: api.ChatCompletionRequest, sink) -> Tuple[str, Job]:

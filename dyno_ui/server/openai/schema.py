@@ -41,14 +41,12 @@ def error_response(err: ApiError) -> ErrorResponse:
 # is (the values that do nothing, why); null is always allowed. Lifting one (as logprobs was, once
 # implemented) is deleting its line and adding the field to the request type.
 Refusals = Dict[str, Tuple[Callable[[Any], bool], str]]
-THINKING_HINT = 'turn thinking off with chat_template_kwargs {"enable_thinking": false}'
 REFUSED_CHAT: Refusals = {
     "n": (lambda v: v == 1, "only n=1 is supported (one choice per request)"),
     "audio": (lambda v: False, "audio output is not supported"),
     "modalities": (lambda v: v == ["text"], 'only ["text"] is supported'),
     "prediction": (lambda v: False, "predicted outputs are not supported"),
     "web_search_options": (lambda v: False, "web search is not supported"),
-    "reasoning_effort": (lambda v: False, f"reasoning effort levels are not supported; {THINKING_HINT}"),
     "verbosity": (lambda v: False, "verbosity levels are not supported"),
     "functions": (lambda v: False, "the deprecated functions field is not supported; use tools"),
     "function_call": (lambda v: False, "the deprecated function_call field is not supported; use tool_choice"),
@@ -220,6 +218,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: Optional[Dict[str, Any]] = None  # read by convert.format_spec (errors name it)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # OpenAI's bound
+    # A thinking budget (neutral.EFFORT_BUDGETS); it does not turn thinking on or off, the template does.
+    reasoning_effort: Optional[Literal[tuple(neutral.EFFORT_BUDGETS)]] = None  # type: ignore[valid-type]
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -232,6 +232,10 @@ class ChatCompletionRequest(SamplingFields):
 
     def requested_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def thinking_budget(self) -> Optional[int]:
+        """The effort's thinking budget; None (high, or no effort): the server's default."""
+        return None if self.reasoning_effort is None else neutral.EFFORT_BUDGETS[self.reasoning_effort]
 
     def choice(self) -> neutral.ToolChoice:
         """tool_choice, resolved: auto when not given (as OpenAI), a named function by its name."""
