@@ -12,3 +12,23 @@ def plain_greedy(lm, prompt, n, prefill_step=2048, stop_at_eos=True):
         if stop_at_eos and out[-1] in lm.eos_token_ids:
             break
     return out
+
+
+def template_tokens(lm, messages, tools=None, thinking=False):
+    """The chat template's prompt token ids, with the generation prompt."""
+    return lm.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                            enable_thinking=thinking)
+
+
+def plain_constrained(lm, prompt, constraint, n, logit_bias=None):
+    """mlx-lm's generate_step, greedy, with the constraint's processor (and bias): the reference tokens."""
+    from speculative.config import SamplingParams
+    from speculative.processors import processors_for
+
+    params = SamplingParams(max_tokens=n, constraint=constraint, logit_bias=logit_bias)
+    out = []
+    for t, _ in generate_step(mx.array(prompt), lm.model, max_tokens=n, logits_processors=processors_for(params)):
+        out.append(int(t))
+        if out[-1] in lm.eos_token_ids:
+            break
+    return out

@@ -113,3 +113,8 @@ def split_think(text, thinking=False):
         (reasoning if thinking else content).append(part)
         thinking = thinking != bool(found)
     return "".join(content), "".join(reasoning)
+
+
+def drafted(server, before):
+    """Drafts accepted since the /stats snapshot `before`."""
+    return server.stats()["speculative"]["accepted_tokens"] - before["speculative"]["accepted_tokens"]

@@ -5,17 +5,14 @@ same templated prompt (under the same grammar), streamed or not; bad requests ar
 import json
 
 import jsonschema
-import mlx.core as mx
 import openai
 import pytest
-from mlx_lm.generate import generate_step
 
 from dyno_ui.paths import BUNDLED_MODEL
-from helpers.reference import plain_greedy
-from helpers.serving import MODEL_ID, detokenize, running_server, split_think
-from speculative.config import SamplingParams, SpecConfig
+from helpers.reference import plain_constrained as plain, plain_greedy, template_tokens as template
+from helpers.serving import MODEL_ID, detokenize, drafted, running_server, split_think
+from speculative.config import SpecConfig
 from speculative.constraints import JsonSchema, ToolCalls, ToolSchema, constraint_for
-from speculative.processors import processors_for
 
 pytestmark = pytest.mark.e2e
 
@@ -35,20 +32,8 @@ def server():
         yield running
 
 
-def template(lm, messages, tools=None, thinking=False):
-    return lm.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                            enable_thinking=thinking)
 
 
-def plain(lm, prompt, constraint, n):
-    """mlx-lm's generate_step, greedy, with the constraint's processor: the reference tokens."""
-    out = []
-    processors = processors_for(SamplingParams(max_tokens=n, constraint=constraint))
-    for t, _ in generate_step(mx.array(prompt), lm.model, max_tokens=n, logits_processors=processors):
-        out.append(int(t))
-        if out[-1] in lm.eos_token_ids:
-            break
-    return out
 
 
 def events(server, **kw):
@@ -69,8 +54,6 @@ def deltas(got, kind):
     return "".join(e.delta for e in got if e.type == kind)
 
 
-def drafted(server, before):
-    return server.stats()["speculative"]["accepted_tokens"] - before["speculative"]["accepted_tokens"]
 
 
 def test_text_equals_plain_decoding_streamed_or_not(server):

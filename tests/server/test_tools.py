@@ -5,18 +5,16 @@ for token, and parses and validates against its schema."""
 import json
 
 import jsonschema
-import mlx.core as mx
 import openai
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.tool_parsers import qwen3_coder as mlx_qwen3_coder
 
 from dyno_ui.paths import BUNDLED_MODEL
-from helpers.serving import MODEL_ID, detokenize, running_server
+from helpers.reference import plain_constrained as plain, template_tokens as template
+from helpers.serving import MODEL_ID, detokenize, drafted, running_server
 from helpers.tool_models import XML_TEMPLATE, XML_TOOLS, with_template
-from speculative.config import SamplingParams, SpecConfig
+from speculative.config import SpecConfig
 from speculative.constraints import JsonSchema, ToolCalls, ToolSchema, combine, constraint_for
-from speculative.processors import processors_for
 
 
 pytestmark = pytest.mark.e2e
@@ -41,20 +39,8 @@ def server():
         yield running
 
 
-def template(lm, messages, tools=None, thinking=False):
-    return lm.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                            enable_thinking=thinking)
 
 
-def plain(lm, prompt, constraint, n, logit_bias=None):
-    """mlx-lm's generate_step, greedy, with the constraint's processor (and bias): the reference tokens."""
-    params = SamplingParams(max_tokens=n, constraint=constraint, logit_bias=logit_bias)
-    out = []
-    for t, _ in generate_step(mx.array(prompt), lm.model, max_tokens=n, logits_processors=processors_for(params)):
-        out.append(int(t))
-        if out[-1] in lm.eos_token_ids:
-            break
-    return out
 
 
 def tool_calls(tools, lm, parallel=True, form="json"):
@@ -85,9 +71,6 @@ def valid(name, arguments):
     return True
 
 
-def drafted(server, before):
-    spec = server.stats()["speculative"]
-    return spec["accepted_tokens"] - before["speculative"]["accepted_tokens"]
 
 
 def test_required_tool_call_equals_plain_decoding_streamed_or_not(server):
