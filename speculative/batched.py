@@ -216,17 +216,24 @@ class BatchSpeculator:
             mx.async_eval(self.head_hidden)
             self.backlog = []
 
+    def _all_greedy(self) -> bool:
+        """True when every row is greedy without logits processors: its pick is the argmax alone."""
+        return all(r.params.greedy and not r.processors for r in self.rows)
+
     def _plain_round(self) -> Dict[Hashable, RowEvents]:
         """Depth 0: the trunk alone over each row's pending token (mlx-lm's own forward), each row's
         token picked by its own rule and key; the head's row is owed, not run."""
         hidden = self.target.hidden(self.pending[:, None], self.trunk_cache)  # [B, 1, H]
         logits = self.target.lm_head(hidden)
-        nxt, processed = [], []
-        for b, row in enumerate(self.rows):
-            rows = row._process(logits[b])
-            nxt.append(row._pick_target(rows)[0].astype(self.pending.dtype))  # argmax, or a draw with the row's key
-            processed.append(rows)
-        nxt = mx.stack(nxt)
+        if self._all_greedy():  # one argmax for every row
+            nxt, processed = mx.argmax(log_softmax(logits[:, 0]), axis=-1).astype(self.pending.dtype), logits
+        else:
+            nxt, processed = [], []
+            for b, row in enumerate(self.rows):
+                rows = row._process(logits[b])
+                nxt.append(row._pick_target(rows)[0].astype(self.pending.dtype))  # argmax, or a draw with the row's key
+                processed.append(rows)
+            nxt = mx.stack(nxt)
         self.backlog.append((nxt[:, None], hidden))
         if len(self.backlog) >= HEAD_BACKLOG:
             self._catch_up_head()
@@ -250,17 +257,7 @@ class BatchSpeculator:
         logits, hidden, tapes = self.target.verify(
             mx.concatenate([self.pending[:, None], drafts], axis=1), self.trunk_cache)
         mx.async_eval(logits, hidden)
-        n_acc, nxt, processed = [], [], []
-        for b, row in enumerate(self.rows):  # acceptance per row, with the row's own rule and key
-            rows = row._process(logits[b], drafts[b])  # the processors the row's drafts saw
-            if row.params.greedy:
-                n, t = greedy_accept(drafts[b], log_softmax(rows))
-            else:
-                n, t = lossless_accept(drafts[b], draft_probs[b], mx.exp(warp(rows, row.params)), row._split())
-            n_acc.append(n)
-            nxt.append(t.astype(drafts.dtype))
-            processed.append(rows)
-        n_acc, nxt = mx.stack(n_acc), mx.stack(nxt)
+        n_acc, nxt, processed = self._accept(logits, drafts, draft_probs)
         # Head rows for every position a row may keep (as Speculator.step): cut the draft
         # recursion's rows, then row i pairs trunk hidden i with the token after it.
         for c in self.head_cache:
@@ -275,6 +272,27 @@ class BatchSpeculator:
         self.head_hidden = head_rows[mx.arange(B), n_acc][:, None]
         self.pending = nxt
         return self._emit(k, kept, drafts.tolist(), nxt.tolist(), processed)
+
+    def _accept(self, logits: mx.array, drafts: mx.array, draft_probs: List) -> Tuple[mx.array, mx.array, List]:
+        """Each row's accepted count and next token by its own rule and key: ([B], [B], the
+        processed [k+1, V] logits per row). Greedy rows without processors share one pass."""
+        if self._all_greedy():  # greedy_accept on every row at once: its argmax, prefix and pick, batched
+            target = mx.argmax(log_softmax(logits), axis=-1)  # [B, k+1]
+            k = drafts.shape[1]
+            n_acc = mx.cumprod((drafts == target[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
+            nxt = mx.take_along_axis(target, n_acc[:, None], axis=1)[:, 0].astype(drafts.dtype)
+            return n_acc, nxt, logits
+        n_acc, nxt, processed = [], [], []
+        for b, row in enumerate(self.rows):
+            rows = row._process(logits[b], drafts[b])  # the processors the row's drafts saw
+            if row.params.greedy:
+                n, t = greedy_accept(drafts[b], log_softmax(rows))
+            else:
+                n, t = lossless_accept(drafts[b], draft_probs[b], mx.exp(warp(rows, row.params)), row._split())
+            n_acc.append(n)
+            nxt.append(t.astype(drafts.dtype))
+            processed.append(rows)
+        return mx.stack(n_acc), mx.stack(nxt), processed
 
     def draft(self, k: int):
         """k drafts per row by one head pass per step: ([B, k] tokens, per row [k, V] draft probs or None)."""

@@ -7,7 +7,8 @@ after its prompt is kept there for later requests (the state a row reaches by th
 batch drops a row's caches when it finishes). Rows leave at EOS, max_tokens, a stop string, a cancel,
 or an error of their own (its processors or its output raising): that row fails, the others go on.
 Each round's depth is the worker's DepthPolicy's for the rows in it (pinned by --draft-depth N, else
-chosen by measured cost, 0 included), and the policy learns acceptance from the rounds it sees.
+chosen by measured cost, 0 included), and the policy learns acceptance and round times from the
+rounds it sees.
 """
 
 import logging
@@ -95,7 +96,9 @@ class DraftingBatch:
             width = len(self.batch)
             depth = w.policy.depth_for(width)
             try:
+                start = time.perf_counter()
                 rounds = self.batch.step(depth)
+                w.policy.record(width, depth, time.perf_counter() - start)
             except Exception as e:  # not attributable to one request: fail the batch, keep serving
                 log.exception("batched drafting failed")
                 for job in self.active.values():

@@ -7,7 +7,16 @@ delivers B * E(k) tokens in V(B, k+1) + k * D(B) seconds, E(k) = 1 + the accepta
 1..k (E(0) = 1). DepthPolicy picks the k in 0..K that delivers the most tokens per second, with the
 acceptance learned from the rounds it sees; as rows are added a verify pass fills up, the draft
 costs grow with it, and at some width depth 0 (plain batched decoding) wins.
+
+The tuned V and D are timed apart from real rounds, on a machine whose speed drifts; a round also
+costs what they leave out (acceptance, rollback, the host sync). So the policy times the rounds it
+runs (RoundClock) and trusts those times over the tuned ones, which only say how depths it has not
+yet timed compare; every EXPLORE_EVERY rounds at a width it times a neighbouring depth, so a
+better depth is found and the estimates follow the machine.
 """
+
+import statistics
+from collections import deque
 
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -30,6 +39,15 @@ PRIOR_ROUNDS = 8.0
 # Each observed round's counts weigh this much less per later round: acceptance follows the text
 # being written (code, prose, a repeated passage), so recent rounds speak for the next one.
 FORGET = 0.99
+# A round's time counts once its depth ran the round before too: the first round at a new depth
+# pays the switch (the head's owed rows, a new shape's first compile), not the depth itself.
+# The estimate is the median of the last WINDOW such times: one slow round (another process, a
+# collection) moves it little, a lasting change within a few rounds.
+WINDOW = 9
+# Every this many rounds at a width, EXPLORE_RUN rounds go to a neighbour of the best depth
+# (deeper and shallower in turn); the second of them is timed.
+EXPLORE_EVERY = 24
+EXPLORE_RUN = 2
 
 
 def interpolate(table: Dict[int, float], width: int) -> float:
@@ -84,11 +102,41 @@ def best_depth(costs: BatchCosts, acceptance: Sequence[float], width: int, max_d
     return max(depths, key=lambda k: (tokens_per_second(costs, acceptance, width, k), -k))
 
 
+class RoundClock:
+    """Seconds per round at each (width, depth), from the rounds a policy ran; the tuned costs,
+    scaled to what the timed rounds say of them, for a cell not yet timed."""
+
+    def __init__(self, costs: BatchCosts):
+        self.costs = costs
+        self.times: Dict[tuple, deque] = {}  # (width, depth) -> the last WINDOW steady rounds' seconds
+        self.last: Optional[tuple] = None  # the previous round's (width, depth)
+
+    def record(self, width: int, depth: int, seconds: float) -> None:
+        cell = (width, depth)
+        if cell == self.last:
+            self.times.setdefault(cell, deque(maxlen=WINDOW)).append(seconds)
+        self.last = cell
+
+    def tuned(self, width: int, depth: int) -> float:
+        return self.costs.V(width, depth + 1) + depth * self.costs.D(width)
+
+    def seconds(self, width: int, depth: int) -> float:
+        """The measured seconds of a round at `depth` for `width` rows, else the tuned estimate scaled
+        by the median ratio of measured to tuned at this width (any width when none here)."""
+        if (width, depth) in self.times:
+            return statistics.median(self.times[(width, depth)])
+        ratios = {c: statistics.median(t) / self.tuned(*c) for c, t in self.times.items()}
+        here = [r for (w, _), r in ratios.items() if w == width] or list(ratios.values())
+        return self.tuned(width, depth) * (statistics.median(here) if here else 1.0)
+
+
 class DepthPolicy:
-    """Each round's draft depth for the rows in the batch: `depth_for(width)`, then `observe` the round.
+    """Each round's draft depth for the rows in the batch: `depth_for(width)`, then `observe` the
+    round's events and `record` its seconds.
 
     `pinned` (a `--draft-depth N`) fixes the depth; otherwise the best by cost, with acceptance
-    learned online from the rounds observed, starting from `prior` (rates at positions 1, 2, ...).
+    learned online from the rounds observed, starting from `prior` (rates at positions 1, 2, ...),
+    and round times learned from the rounds timed (RoundClock), starting from `costs`.
     """
 
     def __init__(self, costs: Optional[BatchCosts], prior: Sequence[float], max_depth: int = MAX_DEPTH,
@@ -100,6 +148,8 @@ class DepthPolicy:
         self.accepted = [0.0] * max_depth  # decayed counts per position
         self.drafted = [0.0] * max_depth
         self.chosen: Dict[int, Dict[int, int]] = {}  # width -> depth -> rounds: what was picked over time
+        self.clock = RoundClock(costs) if costs is not None else None
+        self.rounds: Dict[int, int] = {}  # width -> rounds chosen at it (the exploration schedule)
 
     @property
     def deepest(self) -> int:
@@ -120,10 +170,26 @@ class DepthPolicy:
         elif width <= 0:
             k = 0
         else:
-            k = best_depth(self.costs, self.acceptance(), width, self.max_depth)
+            k = self._best(width)
+            n = self.rounds[width] = self.rounds.get(width, 0) + 1
+            if n % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_RUN:  # time a neighbour, deeper and shallower in turn
+                step = 1 if (n // EXPLORE_EVERY) % 2 else -1
+                if not 0 <= k + step <= self.deepest:
+                    step = -step
+                k = k + step if 0 <= k + step <= self.deepest else k
         counts = self.chosen.setdefault(width, {})
         counts[k] = counts.get(k, 0) + 1
         return k
+
+    def _best(self, width: int) -> int:
+        """The depth with the most tokens per second for `width` rows (the shallower on a tie)."""
+        rates = self.expected_rates(width)
+        return max(rates, key=lambda k: (rates[k], -k))
+
+    def record(self, width: int, depth: int, seconds: float) -> None:
+        """The wall time of a round at `depth` for `width` rows (its one host sync included)."""
+        if self.clock is not None:
+            self.clock.record(width, depth, seconds)
 
     def observe(self, events: Iterable) -> None:
         """Fold one round's events (any mix; its Round events count): which positions each row
@@ -143,8 +209,8 @@ class DepthPolicy:
         if self.costs is None:
             return {}
         acceptance = self.acceptance()
-        return {k: tokens_per_second(self.costs, acceptance, width, k)
-                for k in range(min(self.max_depth, self.costs.max_depth) + 1)}
+        return {k: width * (1.0 + sum(acceptance[:k])) / self.clock.seconds(width, k)
+                for k in range(self.deepest + 1)}
 
 
 # ---- measuring on this model and machine ----

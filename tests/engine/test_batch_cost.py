@@ -83,3 +83,51 @@ def test_auto_uses_the_stored_costs(monkeypatch, tmp_path):
     assert policy.acceptance() == pytest.approx(ACCEPTANCE + [0.0])
     assert [policy.depth_for(w) for w in (1, 2, 8)] == [3, 2, 0]
     assert batch_cost.resolve_policy(lm, 2).depth_for(1) == 2
+
+
+def test_timed_rounds_overrule_the_tuned_costs():
+    policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=3)
+    assert policy.depth_for(1) == 3
+    policy.record(1, 3, 10.0)  # the first round at a depth pays the switch: not a time yet
+    assert policy.clock.seconds(1, 3) == pytest.approx(COSTS.V(1, 4) + 3 * COSTS.D(1))
+    policy.record(1, 3, 10.0)
+    policy.record(1, 0, 1.0)
+    policy.record(1, 0, 1.0)
+    # Depth 3 delivers 3.4 / 10; depth 0 1 / 1; depths 1 and 2, not timed, are the tuned costs times
+    # the median measured/tuned ratio at this width, (10 / 1.6 + 1 / 1) / 2 = 3.625: 1.9 / 4.35, 2.7 / 5.075.
+    assert policy.clock.seconds(1, 2) == pytest.approx(1.4 * 3.625)
+    assert policy.depth_for(1) == 0
+    # A width with no timed round scales its tuned costs by every width's ratios.
+    assert policy.clock.seconds(2, 1) == pytest.approx(1.6 * 3.625)
+
+
+def test_one_slow_round_moves_the_estimate_little():
+    policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=3)
+    for s in [1.0] * 6 + [50.0] + [1.0] * 2:
+        policy.record(2, 1, s)
+    assert policy.clock.seconds(2, 1) == 1.0  # the median of the last rounds
+    for _ in range(batch_cost.WINDOW):  # a lasting change takes over within a window
+        policy.record(2, 1, 3.0)
+    assert policy.clock.seconds(2, 1) == 3.0
+
+
+def test_exploring_neighbours_finds_the_depth_the_tuned_costs_missed():
+    """The machine's true round times make depth 1 best (1.9 / 1.8 against 2.7 / 2.6, 3.4 / 3.4 and
+    1 / 1) where the tuned ones say 3; timing a neighbour every EXPLORE_EVERY rounds walks there."""
+    policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=3)
+    true_seconds = lambda k: 1.0 + 0.8 * k  # noqa: E731
+    picked = []
+    for _ in range(8 * batch_cost.EXPLORE_EVERY):
+        k = policy.depth_for(1)
+        policy.record(1, k, true_seconds(k))
+        picked.append(k)
+    assert picked[0] == 3 and policy._best(1) == 1
+    last = picked[-2 * batch_cost.EXPLORE_EVERY:]  # settled: depth 1 but for the neighbours' timed rounds
+    assert last.count(1) == len(last) - 2 * batch_cost.EXPLORE_RUN
+    assert sorted(set(last)) == [0, 1, 2]
+
+
+def test_a_pinned_policy_ignores_round_times():
+    policy = DepthPolicy(None, [], pinned=2)
+    policy.record(1, 2, 100.0)
+    assert [policy.depth_for(1) for _ in range(3 * batch_cost.EXPLORE_EVERY)] == [2] * 3 * batch_cost.EXPLORE_EVERY
