@@ -98,7 +98,7 @@ class DraftingBatch:
             try:
                 start = time.perf_counter()
                 rounds = self.batch.step(depth)
-                w.policy.record(width, depth, time.perf_counter() - start)
+                seconds = time.perf_counter() - start
             except Exception as e:  # not attributable to one request: fail the batch, keep serving
                 log.exception("batched drafting failed")
                 for job in self.active.values():
@@ -108,7 +108,8 @@ class DraftingBatch:
                 self.batch = self._new_batch()
                 w.metrics.set_width(0)
                 continue
-            w.metrics.record_round(width, depth)
+            w.metrics.record_round(width, depth, seconds)
+            w.policy.record(width, depth, seconds)
             w.policy.observe(e for out in rounds.values() for e in out.events)
             for row, out in rounds.items():
                 self.active[row].stats.add_width(width)

@@ -16,6 +16,7 @@ from speculative.stats import GenerationStats
 
 WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, float("inf"))
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, float("inf"))
+ROUND_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, float("inf"))
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, float("inf"))
 
 
@@ -70,10 +71,14 @@ class ServerMetrics:
         self.rounds_by_depth = Counter("mlx:batch_rounds_by_depth",
                                        "Rounds by the draft depth chosen for them (0: plain decoding)", ["depth"],
                                        registry=r)
+        self.round_seconds = Histogram("mlx:batch_round_seconds",
+                                       "Wall time of each batched round, by the draft depth chosen for it",
+                                       ["depth"], buckets=ROUND_BUCKETS, registry=r)
         self._lock = threading.Lock()
         self._width = self._max_width = 0
         self._rounds_by_width: dict = {}
         self._rounds_by_depth: dict = {}
+        self._round_time: dict = {}  # (width, depth) -> [timed rounds, seconds]
         self.set_draft_depth(draft_depth)
         self._totals = GenerationStats(draft_depth=draft_depth)
         self._requests = {"stop": 0, "length": 0, "cancelled": 0, "failed": 0}
@@ -95,11 +100,18 @@ class ServerMetrics:
             self._width = width
             self._max_width = max(self._max_width, width)
 
-    def record_round(self, width: int, depth: int) -> None:
-        """One round of `width` requests at draft depth `depth` (called on the engine thread)."""
+    def record_round(self, width: int, depth: int, seconds: Optional[float] = None) -> None:
+        """One round of `width` requests at draft depth `depth`, taking `seconds` when timed (called
+        on the engine thread)."""
         self.round_width.observe(width)
         self.rounds_by_depth.labels(depth=str(depth)).inc()
+        if seconds is not None:
+            self.round_seconds.labels(depth=str(depth)).observe(seconds)
         with self._lock:
+            if seconds is not None:
+                timed = self._round_time.setdefault((width, depth), [0, 0.0])
+                timed[0] += 1
+                timed[1] += seconds
             self._max_width = max(self._max_width, width)
             self._rounds_by_width[width] = self._rounds_by_width.get(width, 0) + 1
             self._rounds_by_depth[depth] = self._rounds_by_depth.get(depth, 0) + 1
@@ -160,5 +172,13 @@ class ServerMetrics:
                            "generated": self._generated},
                 "batch": {"width": self._width, "max_width": self._max_width,
                           "rounds_by_width": {str(k): v for k, v in sorted(self._rounds_by_width.items())},
-                          "rounds_by_depth": {str(k): v for k, v in sorted(self._rounds_by_depth.items())}},
+                          "rounds_by_depth": {str(k): v for k, v in sorted(self._rounds_by_depth.items())},
+                          "round_ms": self._round_ms()},
             }
+
+    def _round_ms(self) -> dict:
+        """Mean milliseconds of the timed rounds, by width, then depth (under the lock)."""
+        out: dict = {}
+        for (width, depth), (n, seconds) in sorted(self._round_time.items()):
+            out.setdefault(str(width), {})[str(depth)] = round(1e3 * seconds / n, 3)
+        return out

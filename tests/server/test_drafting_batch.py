@@ -111,12 +111,16 @@ def test_every_request_in_a_batch_gets_its_answer_alone(serial, batched, caplog)
     assert stats["batch"]["max_width"] > 1 and stats["speculative"]["rounds"] > 0
     assert any(int(w) > 1 for w in stats["batch"]["rounds_by_width"])
     assert stats["batch"]["rounds_by_depth"] == {"3": sum(stats["batch"]["rounds_by_width"].values())}
+    round_ms = stats["batch"]["round_ms"]  # every width that ran, timed at the one depth pinned
+    assert set(round_ms) == set(stats["batch"]["rounds_by_width"]) and all(
+        set(by_depth) == {"3"} and by_depth["3"] > 0 for by_depth in round_ms.values())
     assert stats["tokens"]["prompt_cached"] > 0  # the turn reused the first conversation's prompt
     assert stats["requests"]["failed"] == 0
     lines = [r.getMessage() for r in caplog.records if r.name == "dyno.serve"]
     assert any(re.search(r"drafts accepted, batch width \d+-\d+$", line) for line in lines), lines
     metrics = batched.metrics()
     assert metrics["mlx:batch_round_width_count"] > 0 and metrics["mlx:batch_rounds_by_depth_total{depth=3}"] > 0
+    assert metrics["mlx:batch_round_seconds_count{depth=3}"] == metrics["mlx:batch_rounds_by_depth_total{depth=3}"]
 
 
 def test_a_cancelled_row_is_counted_and_the_batch_goes_on(batched):
