@@ -113,7 +113,7 @@ def test_examples_fill_the_chat_box_and_the_note_names_the_models_tab(page):
     chat_box(page).fill("")
 
 
-def test_compare_race_is_identical_at_temperature_zero(page, shots):
+def test_compare_race_is_identical_at_temperature_zero(page):
     from dyno_ui.playground.ui import EXAMPLES
 
     page.get_by_role("tab", name="Compare").click()
@@ -124,7 +124,6 @@ def test_compare_race_is_identical_at_temperature_zero(page, shots):
     assert re.search(r"\d+\.\d+× speedup", summary), summary
     assert page.locator("#compare-mtp .tok-draft").count() > 0
     assert page.locator("#plot-race .js-plotly-plot").count() == 1
-    page.screenshot(path=str(shots / "compare.png"), full_page=True)
 
 
 def table_text(page) -> str:

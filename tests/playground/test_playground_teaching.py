@@ -66,7 +66,7 @@ def test_examples_turn_on_rejected_drafts_which_match_the_engines_trace(page, an
     page.wait_for_function(f"document.querySelectorAll('#answer .tok-rejected').length === {len(expected)}")
 
 
-def test_hover_cards_give_round_position_and_the_engines_probabilities(page, answer):
+def test_hover_cards_give_round_position_and_the_engines_probabilities(page, answer, shots):
     tokens = [e for e in answer if isinstance(e, Token)]
     checked = 0
     for kind in ("draft", "correction", "bonus"):
@@ -86,9 +86,11 @@ def test_hover_cards_give_round_position_and_the_engines_probabilities(page, ans
                 assert "was the model's argmax" in text
             checked += 1
     assert checked >= 4
+    page.locator("#answer .tok-correction").first.hover()  # the README's picture: a card beside a correction
+    page.screenshot(path=str(shots / "rejected-drafts.png"), full_page=True)
 
 
-def test_replay_steps_through_every_round_of_the_answer(page, answer):
+def test_replay_steps_through_every_round_of_the_answer(page, answer, shots):
     rounds = len(engine_rounds(answer))
     page.locator("#replay-box").get_by_text("Replay the rounds in slow motion").click()
     page.locator("#replay-start").click()
@@ -108,9 +110,19 @@ def test_replay_steps_through_every_round_of_the_answer(page, answer):
         seen.append(int(head.get_attribute("data-round")))
     assert seen == list(range(1, rounds + 1))
     assert f"Round {rounds} of {rounds}" in head.inner_text()
+    page.locator("#replay-start").focus()  # the keyboard drives it too
+    page.keyboard.press("Enter")
+    page.wait_for_function("document.querySelector('#replay .replay-head').dataset.round === '1'")
+    for _ in range(2):
+        page.locator("#replay-next").click()
+    page.locator("#replay-step").focus()
+    page.keyboard.press("Enter")
+    page.wait_for_function("document.querySelector('#replay .replay-head').dataset.phase === 'verify'")
+    page.locator("#replay").scroll_into_view_if_needed()
+    page.screenshot(path=str(shots / "replay.png"), full_page=True)
 
 
-def test_exported_answer_opens_standalone_with_the_same_tokens(page, browser, answer, tmp_path):
+def test_exported_answer_opens_standalone_with_the_same_tokens(page, browser, answer, tmp_path, shots):
     page.locator("#export-chat").click()
     links = page.locator("#export-files a")
     page.wait_for_function("document.querySelectorAll('#export-files a').length >= 2")
@@ -129,19 +141,35 @@ def test_exported_answer_opens_standalone_with_the_same_tokens(page, browser, an
     assert rejected_ids(offline, ".dyno-answer") == rejected == rejected_ids(page)
     offline.locator(".js-plotly-plot").first.wait_for()  # the charts drew with the inlined Plotly
     assert offline.locator(".js-plotly-plot").count() == 3 and fetched == []
+    offline.screenshot(path=str(shots / "export.png"), full_page=True)
     offline.context.close()
 
 
-def test_race_reports_the_median_over_its_runs_at_autos_depth(page):
+def test_race_reports_the_median_over_its_runs_at_autos_depth(page, served, shots):
     page.get_by_role("tab", name="Compare").click()
     set_number(page, "compare-repeats", 3)
     page.locator("#compare-run").click()
     summary = wait_for_stats(page, r"identical output|outputs differ", "#compare-summary")
     assert re.search(r"\d+\.\d+× speedup \(median of 3 runs, spread \d+\.\d+–\d+\.\d+×\)", summary), summary
-    assert "depth 3 (auto's choice)" in summary and "identical output in every run" in summary
+    depth = served[0].worker.spec.draft_depth
+    assert f"depth {depth} (auto's choice)" in summary and "identical output in every run" in summary
     note = page.locator("#compare-note").inner_text()
     median = float(re.search(r"(\d+\.\d+)× speedup", summary).group(1))
     if median < 1:  # drafting lost on this machine: the cost model says why, in one line
         assert "the cost model" in note, note
+    page.screenshot(path=str(shots / "race.png"), full_page=True)
     page.get_by_role("tab", name="Chat").click()
     chat_box(page).fill("")
+
+
+def test_provenance_differs_in_more_than_hue_and_the_switches_take_the_keyboard(page):
+    styles = page.evaluate("""[...document.querySelectorAll('.dyno-legend .tok')].map(e => {
+        const s = getComputedStyle(e); return s.textDecorationLine + ' ' + s.textDecorationStyle; })""")
+    kinds = [k for k in page.locator(".dyno-legend .tok").all_inner_texts()]
+    assert len(kinds) == 5 and len(set(styles)) == 5, list(zip(kinds, styles))  # one line style per kind
+    box = page.locator("#show-rejected input")
+    was = box.is_checked()
+    box.focus()
+    page.keyboard.press("Space")
+    page.wait_for_function(f"document.querySelector('#show-rejected input').checked === {str(not was).lower()}")
+    page.keyboard.press("Space")
