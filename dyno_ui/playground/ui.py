@@ -154,12 +154,12 @@ def _chat_tab(s: Sessions, d) -> dict:
             with gr.Accordion("Replay the rounds in slow motion", open=False, elem_id="replay-box"):
                 replay_view = gr.HTML(replay.replay_html(None, 0), elem_id="replay")
                 with gr.Row():
-                    r_start = gr.Button("⏮ Start", elem_id="replay-start", size="sm")
+                    r_start = gr.Button("◀◀ Start", elem_id="replay-start", size="sm")
                     r_back = gr.Button("◀ Back", elem_id="replay-back", size="sm")
                     r_step = gr.Button("Step ▶", elem_id="replay-step", size="sm")
-                    r_next = gr.Button("Next round ⏭", elem_id="replay-next", size="sm")
+                    r_next = gr.Button("Next round ▶▶", elem_id="replay-next", size="sm")
                     r_play = gr.Button("▶ Play", elem_id="replay-play", size="sm", variant="primary")
-                    r_pause = gr.Button("⏸ Pause", elem_id="replay-pause", size="sm")
+                    r_pause = gr.Button("Pause", elem_id="replay-pause", size="sm")
                 speed = gr.Slider(0.5, 10, value=2, step=0.5, label="replay speed (steps per second)",
                                   elem_id="replay-speed")
         with gr.Column(scale=2, min_width=280):
