@@ -120,6 +120,10 @@ def test_replay_steps_through_every_round_of_the_answer(page, answer, shots):
     page.wait_for_function("document.querySelector('#replay .replay-head').dataset.phase === 'verify'")
     page.locator("#replay").scroll_into_view_if_needed()
     page.screenshot(path=str(shots / "replay.png"), full_page=True)
+    set_number(page, "replay-speed", 10)  # Play runs on to the last round's commit by itself
+    page.locator("#replay-play").click()
+    page.wait_for_function(f"(h => h.dataset.round === '{rounds}' && h.dataset.phase === 'commit')"
+                           "(document.querySelector('#replay .replay-head'))")
 
 
 def test_exported_answer_opens_standalone_with_the_same_tokens(page, browser, answer, tmp_path, shots):

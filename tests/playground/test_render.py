@@ -148,3 +148,13 @@ def test_race_summary_reports_the_median_and_spread_and_the_cost_note_says_why()
     note = render.cost_note("tiny", costs, 3, 2.0, 0.7)  # a round: 1.5 + 1.2 steps for 2 tokens
     assert "bounds the speedup at 0.74×" in note and "the verify pass (1.50 plain steps) limits it" in note
     assert "time outside the model calls" in render.cost_note("tiny", costs, 3, 3.0, 0.9)
+
+
+def test_race_exports_carry_both_runs_and_every_speedup():
+    spec, plain = traced(), traced()
+    meta = {"model": "tiny", "prompt": "p", "settings": {"runs": 1}}
+    page = export.race_html_file(spec, plain, render.race_summary([(spec, plain)], greedy=True), meta)
+    assert "identical output" in page and page.count('class="dyno-answer"') == 2 and "Plotly" in page
+    data = json.loads(export.race_json({"mtp": [spec], "plain": [plain]}, meta, [1.5]))
+    assert data["kind"] == "race" and data["speedups"] == [1.5]
+    assert [t["provenance"] for t in data["runs"]["mtp"][0]["tokens"]][:2] == ["plain", "draft"]
