@@ -331,7 +331,7 @@ class BatchSpeculator:
             scores = row._scored(processed[b], tokens)
             last = Provenance.PLAIN if k == 0 else Provenance.BONUS if len(accepted) == k else Provenance.CORRECTION
             provenance = [Provenance.DRAFT] * len(accepted) + [last]
-            events, finish = ([Round(k, len(accepted))] if k else []), None
+            events, finish = ([Round(k, len(accepted), tuple(drafts[b][:k]))] if k else []), None
             sent = 0
             for t, p, s in zip(tokens, provenance, scores):
                 row.generated.append(t)

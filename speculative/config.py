@@ -144,6 +144,9 @@ class SpecConfig:
     mode: str = "auto"
     draft_depth: int = DEFAULT_DRAFT_DEPTH
     draft_vocab: Union[int, str, None] = None  # tokens the draft step scores: N, "auto" or None (all); draft_vocab/head.py
+    # Round events carry p, q and the acceptance chance of each draft (events.RoundDetails): one
+    # more device-to-host copy per round, so off unless a viewer asks.
+    details: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -154,3 +157,5 @@ class SpecConfig:
             )
         if self.draft_vocab not in (None, "auto") and (not isinstance(self.draft_vocab, int) or self.draft_vocab < 1):
             raise DynoError(f"draft vocabulary must be a number of tokens >= 1, auto or full, got {self.draft_vocab!r}")
+        if not isinstance(self.details, bool):
+            raise DynoError(f"details must be true or false, got {self.details!r}")

@@ -17,7 +17,7 @@ from .rollback import GDNTape, rollback
 from .config import SamplingParams, SpecConfig
 from .draft_vocab.head import draft_lm_head, greedy_token
 from .errors import DynoError
-from .events import Done, Provenance, Round, Token, TokenLogprobs
+from .events import Done, Provenance, Round, RoundDetails, Token, TokenLogprobs
 from .loader import LoadedModel
 from .prompt_cache.store import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
 from .processors import PrefixProcessors, processors_for, with_prefix
@@ -104,7 +104,7 @@ def drafts(lm: LoadedModel, spec: SpecConfig) -> bool:
 def default_runner(lm: LoadedModel, params: SamplingParams, spec: SpecConfig, prefill_step: int) -> "Runner":
     """A Speculator when drafting, else a PlainRun."""
     if drafts(lm, spec):
-        return Speculator(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab)
+        return Speculator(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab, spec.details)
     return PlainRun(lm, params, prefill_step)
 
 
@@ -208,7 +208,7 @@ class Speculator:
     """State of one speculative generation: trunk and head caches, the pending token, the RNG."""
 
     def __init__(self, lm: LoadedModel, params: SamplingParams, depth: int, prefill_step: int,
-                 draft_vocab: Optional[int] = None):
+                 draft_vocab: Optional[int] = None, details: bool = False):
         self.target, self.head = lm.target, lm.head
         self.eos = set(lm.eos_token_ids)
         self.draft_lm_head = draft_lm_head(lm, draft_vocab)  # the drafts' projection: all rows or a subset
@@ -231,6 +231,9 @@ class Speculator:
         self.checkpoints: Dict[int, Checkpoint] = {}  # inherited from the resumed entry, and taken at cuts
         # Per emitted token of the latest prefill or step, its TokenLogprobs (None when not asked for).
         self.scores: List = []
+        self.details = details  # also read each draft's p, q and acceptance chance (RoundDetails)
+        self.drafted: List[int] = []  # the latest step's drafts, as verified
+        self.round_details: Optional[RoundDetails] = None  # the latest step's, when `details`
 
     def _split(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -351,10 +354,15 @@ class Speculator:
         mx.async_eval(logits, hidden)  # the trunk computes while Python builds the rest of the round
         logits = self._process(logits[0], drafts)  # the same processors the drafts saw, per row
         if self.params.greedy:
-            n_acc, nxt = greedy_accept(drafts, log_softmax(logits))
+            target = log_softmax(logits)
+            n_acc, nxt = greedy_accept(drafts, target)
         else:
-            target_probs = mx.exp(warp(logits, self.params))
-            n_acc, nxt = lossless_accept(drafts, draft_probs, target_probs, self._split())
+            target = mx.exp(warp(logits, self.params))
+            n_acc, nxt = lossless_accept(drafts, draft_probs, target, self._split())
+        # Gathers from the rows above, started now and read after the round's sync; no token depends on them.
+        checks = self._checks(drafts, draft_probs, target, n_acc, nxt) if self.details else None
+        if checks is not None:
+            mx.async_eval(*checks)
         # The head's rows for every position the round may keep, queued before the sync: row i
         # pairs trunk hidden i with the token after it, drafts[i] below n_acc and nxt at n_acc.
         # Causal attention keeps the rows past n_acc out of those before; the sync cuts them.
@@ -367,6 +375,8 @@ class Speculator:
         # all), taken while the head rows compute.
         next_id, a, drafted = self.outcome(nxt, n_acc, drafts)
         accepted = drafted[:a]
+        self.drafted = drafted
+        self.round_details = self._round_details(checks) if checks is not None else None
         self.scores = self._scored(logits, accepted + [next_id])  # rows 0..a: the tokens kept
         rollback(self.trunk_cache, tapes, fed=k + 1, consumed=a + 1)
         self._trim_head(self.head_start + a + 1)
@@ -379,6 +389,30 @@ class Speculator:
             self.queue_drafts()  # not when this round ends the generation: no draft goes unverified
         return accepted, next_id
 
+    def _checks(self, drafts: mx.array, draft_probs: Optional[mx.array], target: mx.array,
+                n_acc: mx.array, nxt: mx.array) -> Tuple[mx.array, ...]:
+        """(p, q, accept, next_p) of the drafts as lazy arrays: `target` is the greedy rule's log-softmax
+        rows or the lossless rule's p rows, `draft_probs` its q rows (None when greedy)."""
+        k = drafts.shape[0]
+        idx = drafts[:, None]
+        if self.params.greedy:
+            rows = target.astype(mx.float32)
+            p = mx.exp(mx.take_along_axis(rows[:k], idx, axis=-1)[:, 0])
+            accept = (mx.argmax(target[:k], axis=-1) == drafts).astype(mx.float32)
+            q = mx.zeros_like(p)  # no draft distribution: reported as None
+            next_p = mx.exp(rows[n_acc, nxt.reshape(())])
+        else:
+            p = mx.take_along_axis(target[:k], idx, axis=-1)[:, 0]
+            q = mx.take_along_axis(draft_probs, idx, axis=-1)[:, 0]
+            accept = mx.minimum(1.0, p / mx.maximum(q, 1e-30))
+            next_p = target[n_acc, nxt.reshape(())]
+        return p, q, accept, next_p
+
+    def _round_details(self, checks: Tuple[mx.array, ...]) -> RoundDetails:
+        p, q, accept, next_p = (x.tolist() for x in checks)
+        q = [None] * len(p) if self.params.greedy else q
+        return RoundDetails(tuple(p), tuple(q), tuple(accept), next_p)
+
     def run(self, prompt: List[int], resume: Optional[Resume] = None,
             cuts: Sequence[int] = ()) -> Iterator[Union[Token, Round]]:
         """Prefill (after `resume`'s prefix, if any), then rounds until the consumer stops iterating."""
@@ -387,7 +421,7 @@ class Speculator:
         yield Token(self.generated[0], Provenance.PLAIN, self.scores[0])
         while True:
             accepted, nxt = self.step()
-            yield Round(self.depth, len(accepted))
+            yield Round(self.depth, len(accepted), tuple(self.drafted), self.round_details)
             for t, score in zip(accepted, self.scores):
                 yield Token(t, Provenance.DRAFT, score)
             yield Token(nxt, Provenance.BONUS if len(accepted) == self.depth else Provenance.CORRECTION,

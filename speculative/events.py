@@ -41,16 +41,37 @@ class Token:
 
 
 @dataclass(frozen=True)
+class RoundDetails:
+    """Why each draft of a round was kept or not (SpecConfig.details), index i for draft i.
+
+    Read from the rows the verify pass already computed, as logprobs are: `p` is the target's
+    probability of the drafted token (the warped distribution when sampling; when greedy, the
+    processed model distribution logprobs report), `q` the draft's (None when greedy: drafts are
+    argmaxes), `accept` the chance it had: min(1, p/q), or when greedy 1.0 if it was the target's
+    argmax else 0.0. Rows past the first rejection scored drafts under a refused prefix.
+    `next_p` is the target's probability of the round's correction or bonus token.
+    """
+
+    p: Tuple[float, ...]
+    q: Tuple[Optional[float], ...]
+    accept: Tuple[float, ...]
+    next_p: float
+
+
+@dataclass(frozen=True)
 class Round:
     """One draft/verify cycle: `accepted` of `drafted` drafts kept (always a prefix).
 
     It comes before the round's tokens; a consumer that stops inside the round receives fewer
     than `accepted` of its DRAFT tokens, so counts of what was delivered fold the tokens
-    (speculative.stats.GenerationStats), not this field.
+    (speculative.stats.GenerationStats), not this field. `drafts` are the drafted ids (the ones
+    past `accepted` were refused); `details` only when SpecConfig.details asked for them.
     """
 
     drafted: int
     accepted: int
+    drafts: Tuple[int, ...] = ()
+    details: Optional[RoundDetails] = None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ as a traced Job or through `worker.call`. One job per browser session can be sto
 """
 
 import queue
+from collections import OrderedDict
 import resource
 import sys
 import time
@@ -20,6 +21,7 @@ from ..runtime.served import ServedModel, chat_job
 from ..runtime.worker import Job
 from .trace import Trace
 
+KEPT = 256  # sessions' last answers and races kept for export and replay
 FRAME_S = 0.2  # the answer and stats while streaming; the conversation and charts every CHART_S
 CHART_S = 0.5
 
@@ -31,6 +33,7 @@ class Sessions:
         self.served = served
         self.api_key = api_key  # --api-key: the page's login asks for it; model management checks it again
         self.running: Dict[str, Job] = {}
+        self.kept: "OrderedDict[tuple, object]" = OrderedDict()  # (session, what) -> its last finished Trace(s)
 
     @property
     def lm(self):
@@ -55,12 +58,12 @@ class Sessions:
         return SamplingParams(float(temperature), float(top_p), int(top_k), float(min_p),
                               min(int(max_tokens), room), seed)
 
-    def spec(self, mode: str, depth, lm=None) -> SpecConfig:
+    def spec(self, mode: str, depth, lm=None, details: bool = False) -> SpecConfig:
         """The job's speculation; `mtp` on a model without a head is the user's error."""
         lm = lm or self.lm
         if mode == "mtp" and lm.head is None:
             raise DynoError(f"{lm.path.name} has no MTP head: choose auto or off, or fetch a head")
-        return SpecConfig(mode, int(depth))
+        return SpecConfig(mode, int(depth), details=bool(details))
 
     def chat_prompt(self, messages: Sequence[dict], thinking: bool, lm=None) -> List[int]:
         """Token ids of the conversation through the tokenizer's chat template."""
@@ -79,7 +82,7 @@ class Sessions:
         inbox: "queue.Queue[object]" = queue.Queue()
         lm = lm or self.lm
         job = chat_job(lm, prompt, params, [], inbox.put, spec=spec, trace=True)
-        trace = Trace(job.submitted_at)
+        trace = Trace(job.submitted_at, decode=lm.tokenizer.decode)  # decode: refused drafts' text
         if session is not None:
             self.running[session] = job
         self.served.worker.submit(job)
@@ -101,6 +104,17 @@ class Sessions:
                 job.cancel()
             if session is not None and self.running.get(session) is job:
                 del self.running[session]
+
+    def keep(self, session: Optional[str], what: str, value) -> None:
+        """Remember a session's last finished answer or race (for export and replay); the oldest go first."""
+        self.kept[(session, what)] = value
+        self.kept.move_to_end((session, what))
+        while len(self.kept) > KEPT:
+            self.kept.popitem(last=False)
+
+    def last(self, session: Optional[str], what: str):
+        """What `keep` remembered for the session, or None."""
+        return self.kept.get((session, what))
 
     def stop(self, session: Optional[str]) -> bool:
         """Cancel the session's running job (it ends at the next round); False when none runs."""

@@ -8,9 +8,9 @@ the token that made it.
 """
 
 from dataclasses import dataclass, field, replace
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
-from speculative.events import Done, Round, Token
+from speculative.events import Done, Round, RoundDetails, Token
 from speculative.stats import GenerationStats
 
 from ..runtime.outputs import Failed, Finished, TextDelta, Traced
@@ -24,6 +24,18 @@ class Span:
     kind: str  # a Provenance value: "draft", "correction", "bonus" or "plain"
     channel: str
     at: float  # when its token arrived (perf_counter seconds)
+    token: int = -1  # index of that token in Trace.tokens
+
+
+@dataclass(frozen=True)
+class TokenPoint:
+    """One emitted token: its id, provenance, round (1-based; 0 outside any round) and position in it."""
+
+    id: int
+    kind: str
+    round: int
+    position: int  # 0-based: drafts 0..accepted-1, then the correction or bonus
+    logprob: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,16 @@ class RoundPoint:
     drafted: int
     accepted: int
     seconds: float  # since the previous round (or the first token)
+    drafts: Tuple[int, ...] = ()  # the drafted ids, as verified
+    details: Optional[RoundDetails] = None  # p, q, acceptance chance per draft (the details switch)
+    first: int = 0  # index in Trace.tokens of the round's first token
+    delivered: int = 0  # of its tokens, how many the consumer received
+    closer: Optional[str] = None  # "correction" or "bonus" once that token arrived
+
+    @property
+    def rejected(self) -> Tuple[int, ...]:
+        """Drafts refused after a delivered correction: the first failed verification, the rest never counted."""
+        return self.drafts[self.accepted:] if self.closer == "correction" else ()
 
     @property
     def tokens(self) -> int:
@@ -53,17 +75,20 @@ class Trace:
     spans: List[Span] = field(default_factory=list)
     token_times: List[float] = field(default_factory=list)
     rounds: List[RoundPoint] = field(default_factory=list)
+    tokens: List[TokenPoint] = field(default_factory=list)
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+    decode: Optional[Callable[[List[int]], str]] = field(default=None, repr=False, compare=False)
     _kind: str = "plain"
     _last_round_at: Optional[float] = None
+    _pieces: Dict[int, str] = field(default_factory=dict, repr=False)
 
     def add(self, item) -> None:
         if isinstance(item, Traced):
             self._event(item.event, item.at)
         elif isinstance(item, TextDelta) and item.text:
             at = self.token_times[-1] if self.token_times else self.submitted_at
-            self.spans.append(Span(item.text, self._kind, item.channel, at))
+            self.spans.append(Span(item.text, self._kind, item.channel, at, len(self.tokens) - 1))
         elif isinstance(item, Finished):
             self.finish_reason = item.finish_reason
         elif isinstance(item, Failed):
@@ -74,12 +99,31 @@ class Trace:
         if isinstance(event, Token):
             self._kind = event.provenance.value
             self.token_times.append(at)
+            logprob = event.logprobs.logprob if event.logprobs is not None else None
             if self.rounds:  # what the stats counted as delivered in this round (it may be cut short)
-                self.rounds[-1] = replace(self.rounds[-1], accepted=self.stats.accepted_in_round)
+                r = self.rounds[-1]
+                closer = self._kind if self._kind in ("correction", "bonus") else r.closer
+                self.rounds[-1] = r = replace(r, accepted=self.stats.accepted_in_round, delivered=r.delivered + 1,
+                                              closer=closer)
+                self.tokens.append(TokenPoint(event.id, self._kind, len(self.rounds), r.delivered - 1, logprob))
+            else:
+                self.tokens.append(TokenPoint(event.id, self._kind, 0, 0, logprob))
         elif isinstance(event, Round):
             since = self._last_round_at or (self.token_times[-1] if self.token_times else at)
-            self.rounds.append(RoundPoint(event.drafted, 0, at - since))
+            self.rounds.append(RoundPoint(event.drafted, 0, at - since, tuple(event.drafts), event.details,
+                                          first=len(self.tokens)))
             self._last_round_at = at
+
+    def piece(self, token: int) -> str:
+        """The text of one token id alone (for drafts that were never emitted), decoded once."""
+        if token not in self._pieces:
+            self._pieces[token] = self.decode([token]) if self.decode else f"<{token}>"
+        return self._pieces[token]
+
+    @property
+    def rejected(self) -> List[int]:
+        """Every refused draft id shown after a correction, in order."""
+        return [t for r in self.rounds for t in r.rejected]
 
     @property
     def token_ids(self) -> List[int]:

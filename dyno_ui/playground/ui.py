@@ -4,8 +4,12 @@ Layout and wiring only: callbacks call Sessions (jobs on the engine thread), and
 charts.py turn Traces into HTML and figures.
 """
 
+import html
 import os
+import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import List, Optional
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -16,7 +20,7 @@ from fastapi import FastAPI  # noqa: E402
 from speculative.config import MAX_DRAFT_DEPTH  # noqa: E402
 from speculative.errors import DynoError  # noqa: E402
 
-from . import charts, render  # noqa: E402
+from . import charts, export, render, replay  # noqa: E402
 from ..runtime.keys import key_matches  # noqa: E402
 from ..runtime.served import ServedModel  # noqa: E402
 from ..paths import ASSETS  # noqa: E402
@@ -25,6 +29,7 @@ from .trace import Trace  # noqa: E402
 
 CSS = ASSETS / "dyno.css"
 UI_PATH = "/ui"
+MAX_REPEATS = 5  # a race's runs: enough for a median, short enough for a demo
 REPLAY_MAX_S = 6.0  # a slow race is replayed faster, to last at most this long
 # Prompts the bundled dyno-tiny handles: it was trained on the standard library's source and on chat
 # turns asking for one of its functions or classes (tools/tiny_data.py), so code in, code out.
@@ -132,8 +137,8 @@ def _chat_tab(s: Sessions, d) -> dict:
                 message = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter adds a line)", show_label=False,
                                      scale=5, lines=1, max_lines=12, elem_id="chat-input")
                 send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
-            gr.Examples(EXAMPLES, inputs=[message], label="Examples (what the bundled dyno-tiny is good at)",
-                        elem_id="chat-examples")
+            examples = gr.Examples(EXAMPLES, inputs=[message], label="Examples (what the bundled dyno-tiny is good at)",
+                                   elem_id="chat-examples")
             with gr.Row():
                 stop = gr.Button("Stop", variant="stop", elem_id="stop-button", size="sm")
                 regen = gr.Button("Regenerate", elem_id="regenerate", size="sm")
@@ -142,12 +147,31 @@ def _chat_tab(s: Sessions, d) -> dict:
             answer = gr.HTML(render.answer_html(None, placeholder="The last answer appears here, token by token."),
                              elem_id="answer")
             stats = gr.HTML(render.stats_line(None), elem_id="stats")
+            with gr.Row():
+                export_button = gr.Button("Export answer (HTML + JSON)", elem_id="export-chat", size="sm")
+            files = gr.File(label="Exported answer", file_count="multiple", elem_id="export-files",
+                            interactive=False, visible=False)
+            with gr.Accordion("Replay the rounds in slow motion", open=False, elem_id="replay-box"):
+                replay_view = gr.HTML(replay.replay_html(None, 0), elem_id="replay")
+                with gr.Row():
+                    r_start = gr.Button("◀◀ Start", elem_id="replay-start", size="sm")
+                    r_back = gr.Button("◀ Back", elem_id="replay-back", size="sm")
+                    r_step = gr.Button("Step ▶", elem_id="replay-step", size="sm")
+                    r_next = gr.Button("Next round ▶▶", elem_id="replay-next", size="sm")
+                    r_play = gr.Button("▶ Play", elem_id="replay-play", size="sm", variant="primary")
+                    r_pause = gr.Button("Pause", elem_id="replay-pause", size="sm")
+                speed = gr.Slider(0.5, 10, value=2, step=0.5, label="replay speed (steps per second)",
+                                  elem_id="replay-speed")
         with gr.Column(scale=2, min_width=280):
             system = gr.Textbox(label="System prompt", lines=2, elem_id="system")
             thinking = gr.Checkbox(label="Thinking (for templates that support it)", value=False)
             mode = gr.Radio(["auto", "mtp", "off"], value="auto", label="Speculative decoding", elem_id="mode")
             depth = gr.Slider(1, MAX_DRAFT_DEPTH, value=s.served.worker.spec.draft_depth, step=1,
                               label="draft depth", elem_id="depth")
+            show_rejected = gr.Checkbox(label="show rejected drafts (struck through before their correction)",
+                                        value=False, elem_id="show-rejected")
+            details = gr.Checkbox(label="details: p, q and acceptance chance of each draft on hover (costs one "
+                                  "more device-to-host copy per round)", value=False, elem_id="details")
             with gr.Accordion("Sampling (from the model's generation_config)", open=True):
                 sampling = _sampling_controls(d, "chat")
     with gr.Row(elem_classes="dyno-charts"):
@@ -155,18 +179,22 @@ def _chat_tab(s: Sessions, d) -> dict:
                  gr.Plot(charts.positions_figure(None), elem_id="plot-positions", show_label=False),
                  gr.Plot(charts.histogram_figure(None), elem_id="plot-histogram", show_label=False)]
     history = gr.State([])
-    settings = [system, thinking, mode, depth] + [sampling[k] for k in SAMPLING]
+    frame = gr.State(0)
+    settings = [system, thinking, mode, depth, details, show_rejected] + [sampling[k] for k in SAMPLING]
     outputs = [chatbot, history, answer, stats] + plots
 
-    def run(history, system, thinking, mode, depth, values, request: Optional[gr.Request]):
+    def run(history, system, thinking, mode, depth, details, rejected, values, request: Optional[gr.Request]):
         """Stream the assistant's reply to the last user message of `history`."""
         lm = s.lm  # one model for the whole reply
         try:
             prompt = s.chat_prompt(_template(history, system), thinking, lm)
             params = s.params(*values, prompt_len=len(prompt), lm=lm)
-            spec = s.spec(mode, depth, lm)
+            spec = s.spec(mode, depth, lm, details)
         except DynoError as e:
             _fail(e)
+        meta = {"model": lm.path.name, "prompt": history[-1]["content"],
+                "settings": {"speculative": mode, "draft depth": int(depth), "details": bool(details),
+                             **{k: v for k, v in zip(SAMPLING, values)}}}
         charted = 0.0
         trace = Trace(time.perf_counter())
         for trace in s.stream(prompt, params, spec, _session(request), lm):
@@ -174,32 +202,34 @@ def _chat_tab(s: Sessions, d) -> dict:
             now = time.perf_counter()
             shown = history + [reply]
             slow = [gr.skip()] * 5  # text and charts a few times a second; the stats line every frame
+            if trace.finished:
+                s.keep(_session(request), "chat", (trace, meta))
             if now - charted >= CHART_S or trace.finished:
                 charted = now
-                slow = [_display(shown), render.answer_html(trace), charts.rounds_figure(trace),
+                slow = [_display(shown), render.answer_html(trace, rejected=rejected), charts.rounds_figure(trace),
                         charts.positions_figure(trace), charts.histogram_figure(trace)]
             yield [slow[0], shown if trace.finished else gr.skip(), slow[1], render.stats_line(trace)] + slow[2:]
 
     # Explicit parameters, no *args: Gradio injects gr.Request only into named parameters, and Stop
     # finds the running job by the request's session.
-    def submit(text, history, system, thinking, mode, depth, temperature, top_p, top_k, min_p, max_tokens, seed,
-               request: gr.Request):
+    def submit(text, history, system, thinking, mode, depth, details, rejected, temperature, top_p, top_k, min_p,
+               max_tokens, seed, request: gr.Request):
         if not text.strip():
             raise gr.Error("Type a message first")
         history = history + [{"role": "user", "content": text}]
         yield [gr.skip()] * len(outputs) + [""]
         values = (temperature, top_p, top_k, min_p, max_tokens, seed)
-        for frame in run(history, system, thinking, mode, depth, values, request):
-            yield frame + [gr.skip()]
+        for shown in run(history, system, thinking, mode, depth, details, rejected, values, request):
+            yield shown + [gr.skip()]
 
-    def regenerate(history, system, thinking, mode, depth, temperature, top_p, top_k, min_p, max_tokens, seed,
-                   request: gr.Request):
+    def regenerate(history, system, thinking, mode, depth, details, rejected, temperature, top_p, top_k, min_p,
+                   max_tokens, seed, request: gr.Request):
         while history and history[-1]["role"] == "assistant":
             history = history[:-1]
         if not history:
             raise gr.Error("Nothing to regenerate")
         values = (temperature, top_p, top_k, min_p, max_tokens, seed)
-        yield from run(history, system, thinking, mode, depth, values, request)
+        yield from run(history, system, thinking, mode, depth, details, rejected, values, request)
 
     for trigger in (send.click, message.submit):
         trigger(submit, [message, history] + settings, outputs + [message], concurrency_limit=None)
@@ -208,25 +238,97 @@ def _chat_tab(s: Sessions, d) -> dict:
         s.stop(_session(request))
 
     stop.click(stop_job, None, None, queue=False)
+
+    def last_trace(request: Optional[gr.Request]) -> Optional[Trace]:
+        kept = s.last(_session(request), "chat")
+        return kept[0] if kept else None
+
+    def rerender(rejected, request: gr.Request):
+        trace = last_trace(request)
+        return render.answer_html(trace, rejected=rejected) if trace else gr.skip()
+
+    show_rejected.change(rerender, [show_rejected], [answer], queue=False)
+    examples.dataset.click(lambda: True, None, show_rejected, queue=False)  # the demo examples show them
+
+    def export_answer(request: gr.Request):
+        kept = s.last(_session(request), "chat")
+        if kept is None:
+            raise gr.Error("Nothing to export yet: finish an answer first")
+        return gr.File(value=_write_export("dyno-answer", export.answer_html_file(*kept),
+                                           export.answer_json(*kept)), visible=True)
+
+    export_button.click(export_answer, None, files)
+
+    def show_frame(f, request: gr.Request):
+        trace = last_trace(request)
+        f = max(0, min(f, replay.frames(trace) - 1))
+        return replay.replay_html(trace, f), f
+
+    # Named functions: Gradio injects gr.Request by annotation, which a lambda cannot carry.
+    def start(request: gr.Request):
+        return show_frame(0, request)
+
+    def back(f, request: gr.Request):
+        return show_frame(f - 1, request)
+
+    def step(f, request: gr.Request):
+        return show_frame(f + 1, request)
+
+    def next_round(f, request: gr.Request):
+        return show_frame((f // len(replay.PHASES) + 1) * len(replay.PHASES), request)
+
+    for button, fn in ((r_start, start), (r_back, back), (r_step, step), (r_next, next_round)):
+        button.click(fn, None if fn is start else [frame], [replay_view, frame], queue=False)
+
+    def play(f, rate, request: gr.Request):
+        trace = last_trace(request)
+        last = replay.frames(trace) - 1
+        if last < 0:
+            yield replay.replay_html(None, 0), 0
+            return
+        f = 0 if f >= last else f
+        while True:
+            yield replay.replay_html(trace, f), f
+            if f >= last:
+                return
+            time.sleep(1.0 / max(float(rate), 0.1))
+            f += 1
+
+    playing = r_play.click(play, [frame, speed], [replay_view, frame], concurrency_limit=None)
+    r_pause.click(None, None, None, cancels=[playing], queue=False)
     clear.click(lambda: ([], [], render.answer_html(None), render.stats_line(None),
                          charts.rounds_figure(None), charts.positions_figure(None), charts.histogram_figure(None)),
                 None, outputs, queue=False)
     return {"depth": depth, **sampling}
 
 
+def _write_export(stem: str, page: str, data: str) -> List[str]:
+    """The two export files in a fresh temporary folder (Gradio serves files from the temp dir)."""
+    folder = Path(tempfile.mkdtemp(prefix="dyno-export-"))
+    paths = [folder / f"{stem}.html", folder / f"{stem}.json"]
+    paths[0].write_text(page, encoding="utf-8")
+    paths[1].write_text(data, encoding="utf-8")
+    return [str(p) for p in paths]
+
+
 def _compare_tab(s: Sessions, d, chat: dict) -> None:
     gr.Markdown("One prompt, decoded with MTP drafts and without, one after the other on the same model "
-                "and sampling; then replayed side by side on a shared timeline.")
+                "and sampling, repeated to show the median speedup; then the median run replayed side by side "
+                "on a shared timeline.")
     with gr.Row():
         prompt = gr.Textbox(label="Prompt", lines=2, scale=4, elem_id="compare-prompt",
                             value=EXAMPLES[0])
         with gr.Column(scale=1, min_width=200):
-            depth = gr.Slider(1, MAX_DRAFT_DEPTH, value=s.served.worker.spec.draft_depth, step=1, label="draft depth")
+            depth = gr.Slider(1, MAX_DRAFT_DEPTH, value=s.served.worker.spec.draft_depth, step=1,
+                              label="draft depth (starts at auto's choice)", elem_id="compare-depth")
+            repeats = gr.Slider(1, MAX_REPEATS, value=3, step=1, label="runs (median speedup)",
+                                elem_id="compare-repeats")
             go = gr.Button("Race", variant="primary", elem_id="compare-run")
     with gr.Accordion("Sampling", open=False):
         sampling = _sampling_controls(d, "compare")
         sampling["temperature"].value = 0.0  # a race at temperature 0 can check the outputs are identical
     summary = gr.HTML(render.stats_line(None), elem_id="compare-summary")
+    note = gr.HTML("", elem_id="compare-note")
     with gr.Row(equal_height=True):
         with gr.Column():
             gr.HTML('<div class="race-label race-mtp">MTP speculative</div>')
@@ -235,12 +337,17 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
             gr.HTML('<div class="race-label race-plain">plain decoding</div>')
             right = gr.HTML(render.answer_html(None), elem_id="compare-plain")
     race = gr.Plot(charts.race_figure(None, None), elem_id="plot-race", show_label=False)
+    export_button = gr.Button("Export race (HTML + JSON)", elem_id="export-race", size="sm")
+    files = gr.File(label="Exported race", file_count="multiple", elem_id="export-race-files", interactive=False,
+                    visible=False)
 
-    def compare(text, depth, temperature, top_p, top_k, min_p, max_tokens, seed, request: gr.Request):
+    def compare(text, depth, runs_wanted, temperature, top_p, top_k, min_p, max_tokens, seed, request: gr.Request):
         values = (temperature, top_p, top_k, min_p, max_tokens, seed)
         if not text.strip():
             raise gr.Error("Type a prompt first")
-        lm = s.lm  # one model for both runs
+        if not 1 <= int(runs_wanted) <= MAX_REPEATS:
+            raise gr.Error(f"runs must be from 1 to {MAX_REPEATS}, got {runs_wanted}")
+        lm = s.lm  # one model for every run
         if lm.head is None:
             raise gr.Error(f"{lm.path.name} has no MTP head: nothing to compare")
         try:
@@ -248,18 +355,34 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
             params = s.params(*values, prompt_len=len(ids), lm=lm)
         except DynoError as e:
             _fail(e)
-        runs = {}
-        for name, mode in (("mtp", "mtp"), ("plain", "off")):
-            for trace in s.stream(ids, params, s.spec(mode, depth, lm), _session(request), lm):
-                status = f'<div class="dyno-stats">running {name}: {len(trace.token_ids)} tokens…</div>'
-                yield status, gr.skip(), gr.skip(), gr.skip()
-            if trace.finish_reason == "cancelled" or trace.error:
-                yield render.stats_line(trace), gr.skip(), gr.skip(), gr.skip()
-                return
-            runs[name] = trace
-        spec, plain = runs["mtp"], runs["plain"]
-        # The replay: both runs from their first token, on one clock (sped up when long).
-        length = max(t.token_times[-1] - t.token_times[0] for t in runs.values() if t.token_times) if spec.token_times else 0
+        auto_depth = s.served.worker.spec.draft_depth
+        pairs = []
+        for n in range(1, int(runs_wanted) + 1):
+            runs = {}
+            for name, mode in (("mtp", "mtp"), ("plain", "off")):
+                for trace in s.stream(ids, params, s.spec(mode, depth, lm), _session(request), lm):
+                    status = f'<div class="dyno-stats">run {n} of {int(runs_wanted)}, {name}: {len(trace.token_ids)} tokens…</div>'
+                    yield status, gr.skip(), gr.skip(), gr.skip(), gr.skip()
+                if trace.finish_reason == "cancelled" or trace.error:
+                    yield render.stats_line(trace), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+                    return
+                runs[name] = trace
+            pairs.append((runs["mtp"], runs["plain"]))
+        # The replay: the median run's two generations from their first token, on one clock.
+        speedups = render.race_speedups(pairs)
+        order = sorted(range(len(pairs)), key=lambda i: speedups[i] if i < len(speedups) else 0.0)
+        spec, plain = pairs[order[len(order) // 2]]
+        result = render.race_summary(pairs, params.greedy, s.decode, int(depth), auto_depth)
+        why = ""
+        median = statistics.median(speedups) if speedups else None
+        if median is not None and median < 1 and spec.tokens_per_round:
+            why = _cost_note(s, lm, ids, int(depth), spec.tokens_per_round, median)
+        meta = {"model": lm.path.name, "prompt": text, "settings": {
+            "draft depth": int(depth), "auto depth": auto_depth, "runs": len(pairs),
+            **{k: v for k, v in zip(SAMPLING, values)}}}
+        s.keep(_session(request), "race", (spec, plain, result + why, meta,
+                                           {"mtp": [p[0] for p in pairs], "plain": [p[1] for p in pairs]}, speedups))
+        length = max(t.token_times[-1] - t.token_times[0] for t in (spec, plain) if t.token_times) if spec.token_times else 0
         scale = max(1.0, length / REPLAY_MAX_S)
         start = time.perf_counter()
         while True:
@@ -267,15 +390,35 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
             frames = [render.answer_html(t, until=t.token_times[0] + at if t.token_times else None)
                       for t in (spec, plain)]
             done = at >= length
-            yield (render.compare_summary(spec, plain, params.greedy, s.decode) if done else
-                   f'<div class="dyno-stats">replaying the race: {at:.2f} s</div>',
-                   *frames, charts.race_figure(spec, plain, until=None if done else at))
+            yield (result if done else f'<div class="dyno-stats">replaying the median race: {at:.2f} s</div>',
+                   why if done else gr.skip(), *frames, charts.race_figure(spec, plain, until=None if done else at))
             if done:
                 return
             time.sleep(CHART_S / 2)
 
-    go.click(compare, [prompt, depth] + [sampling[k] for k in SAMPLING], [summary, left, right, race],
+    go.click(compare, [prompt, depth, repeats] + [sampling[k] for k in SAMPLING], [summary, note, left, right, race],
              concurrency_limit=None)
+
+    def export_race(request: gr.Request):
+        kept = s.last(_session(request), "race")
+        if kept is None:
+            raise gr.Error("Nothing to export yet: finish a race first")
+        spec, plain, result, meta, runs, speedups = kept
+        return gr.File(value=_write_export("dyno-race", export.race_html_file(spec, plain, result, meta),
+                                           export.race_json(runs, meta, speedups)), visible=True)
+
+    export_button.click(export_race, None, files)
+
+
+def _cost_note(s: Sessions, lm, ids: List[int], depth: int, tokens_per_round: float, measured: float) -> str:
+    """One line on why drafting loses here, from a quick cost-model timing on the engine thread."""
+    from speculative.measure.cost_model import cost_model
+
+    try:
+        costs = s.on_engine(lambda: cost_model(lm, ids, [depth], reps=5, burst=1), timeout=60)
+    except Exception as e:  # the race stands without the explanation
+        return f'<div class="dyno-race-note">Drafting lost here; the cost model could not time it ({html.escape(str(e))}).</div>'
+    return f'<div class="dyno-race-note">{html.escape(render.cost_note(lm.path.name, costs, depth, tokens_per_round, measured))}</div>'
 
 
 def _models_tab(s: Sessions, chat: dict) -> dict:
@@ -356,4 +499,5 @@ def mount(app: FastAPI, served: ServedModel, path: str = UI_PATH, api_key: Optio
     its login page asks for the key before anything runs."""
     login = dict(auth=_key_login(api_key), auth_message=LOGIN_MESSAGE) if api_key else {}
     return gr.mount_gradio_app(app, build(served, api_key), path=path, theme=theme(), css_paths=[CSS],
-                               footer_links=["api"], ssr_mode=False, **login)
+                               head=f"<script>{render.CARD_JS}</script>", footer_links=["api"], ssr_mode=False,
+                               **login)

@@ -20,7 +20,7 @@ from speculative.loader import load_checkpoint
 pytestmark = pytest.mark.e2e
 
 KEY = "sk-dyno-test"
-RACE = ["def read_lines(path):", 2, 0.0, 1.0, 0, 0.0, 4, -1]  # prompt, depth, then the sampling controls
+RACE = ["def read_lines(path):", 2, 1, 0.0, 1.0, 0, 0.0, 4, -1]  # prompt, depth, runs, then the sampling controls
 
 
 @pytest.fixture(scope="module")

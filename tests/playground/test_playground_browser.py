@@ -3,118 +3,16 @@ downloaded): chat with coloured drafts, charts and stats; Stop; the compare race
 
 Runs on the bundled dyno-tiny when it is there, else on a tiny checkpoint whose head agrees with
 its trunk (tests/helpers/playground_models.py), so that drafts are really accepted either way.
+The server, browser and page fixtures are in conftest.py.
 """
 
-import os
 import re
-import shutil
-from pathlib import Path
 
 import pytest
 
-os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
-CHROMIUM = "/usr/bin/chromium"
+from helpers.browser import chat_box, clear_chat, new_page, set_number, stats_text, wait_for_stats
+
 pytestmark = pytest.mark.browser
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def chromium():
-    """Missing Chromium fails the module (CI must never pass without the browser tests); a developer
-    without it opts out by name."""
-    if Path(CHROMIUM).exists():
-        return CHROMIUM
-    if os.environ.get("DYNO_SKIP_BROWSER") == "1":
-        pytest.skip("DYNO_SKIP_BROWSER=1")
-    pytest.fail(f"the playground tests need Debian's Chromium at {CHROMIUM} (apt-get install chromium); "
-                f"set DYNO_SKIP_BROWSER=1 to skip them", pytrace=False)
-
-
-# Refreshing the README's screenshots (DYNO_SCREENSHOTS): the playground as `python app.py` starts it
-# from the repository root, with the bundled model named by its relative path (no machine's folders
-# in the pictures) and the depth `auto` picks; the tests' assertions are the same either way.
-SCREENSHOT_RUN = bool(os.environ.get("DYNO_SCREENSHOTS"))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from dyno_ui import paths
-
-    if (paths.BUNDLED_MODEL / "config.json").exists():
-        if not SCREENSHOT_RUN:
-            yield paths.BUNDLED_MODEL
-            return
-        with pytest.MonkeyPatch.context() as mp:
-            mp.chdir(ROOT)
-            mp.setattr(paths, "BUNDLED_MODEL", paths.BUNDLED_MODEL.relative_to(ROOT))
-            yield paths.BUNDLED_MODEL
-        return
-    from helpers import playground_models
-
-    yield playground_models.alphabet_model(tmp_path_factory.mktemp("alphabet"))
-
-
-@pytest.fixture(scope="module")
-def url(model_dir):
-    """`python app.py`'s app (API + playground in front) on a free port, in this process."""
-    from helpers.serving import serving_in_thread
-
-    from dyno_ui.runtime.served import ServedModel
-    from dyno_ui.server.run import make_app
-    from dyno_ui.runtime.worker import EngineWorker
-    from speculative.config import SpecConfig
-    from speculative.loader import load_checkpoint
-
-    if SCREENSHOT_RUN:  # as `python app.py` loads it: draft vocabulary and depth settled by `auto`
-        from speculative import load_model
-
-        worker = EngineWorker(lambda: load_model(model_dir))
-    else:
-        worker = EngineWorker(lambda: (load_checkpoint(model_dir), SpecConfig("auto", 3)))
-    lm = worker.start()
-    served = ServedModel(id=lm.path.name, lm=lm, worker=worker, default_max_tokens=48, created=0)
-    with serving_in_thread(make_app(served, ui_front=True), lifespan="on", start_timeout=60) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("screenshots")
-    yield folder
-    print(f"\nplayground screenshots: {folder}")
-    if os.environ.get("DYNO_SCREENSHOTS"):  # e.g. DYNO_SCREENSHOTS=assets/screenshots to refresh the README's
-        dest = ROOT / os.environ["DYNO_SCREENSHOTS"]
-        dest.mkdir(parents=True, exist_ok=True)
-        for png in folder.glob("*.png"):
-            shutil.copy(png, dest / png.name)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield browser
-        browser.close()
-
-
-def new_page(browser):
-    """A page in a context of its own (its own cookies)."""
-    page = browser.new_page(viewport={"width": 1400, "height": 1100})
-    page.set_default_timeout(int(os.environ.get("PW_TIMEOUT", 60_000)))
-    return page
-
-
-@pytest.fixture(scope="module")
-def page(browser, url):
-    page = new_page(browser)
-    page.goto(url + "/")  # redirected to /ui/
-    page.locator("#chat-input textarea").wait_for()
-    yield page
-    page.context.close()  # before the server stops (the browser outlives it): no page left connected
 
 
 def test_with_a_key_the_page_asks_for_it_then_chats(browser, model_dir):
@@ -151,24 +49,6 @@ def test_with_a_key_the_page_asks_for_it_then_chats(browser, model_dir):
         page.context.close()  # before the server stops: no page left connected to it
 
 
-def set_number(page, elem_id: str, value) -> None:
-    box = page.locator(f"#{elem_id} input[type=number]")
-    box.fill(str(value))
-    box.press("Enter")
-
-
-def stats_text(page, selector="#stats") -> str:
-    return page.locator(selector).inner_text()
-
-
-def wait_for_stats(page, pattern: str, selector="#stats") -> str:
-    """Wait until the stats line matches `pattern` (the stream's end is written there), return it."""
-    page.wait_for_function(
-        "([sel, pat]) => new RegExp(pat).test(document.querySelector(sel)?.innerText || '')",
-        arg=[selector, pattern])
-    return stats_text(page, selector)
-
-
 def test_chat_streams_coloured_drafts_charts_and_stats(page, shots):
     from dyno_ui.playground.ui import EXAMPLES
 
@@ -198,16 +78,6 @@ def test_stop_mid_generation_then_generate_again(page):
     page.locator("#send").click()
     line = wait_for_stats(page, r"20\s*tokens.*finished: length")
     assert "drafts accepted" in line
-
-
-def chat_box(page):
-    return page.locator("#chat-input textarea")
-
-
-def clear_chat(page) -> None:
-    page.locator("#clear").click()
-    page.wait_for_function("!(document.querySelector('#stats')?.innerText || '').includes('finished')")
-    chat_box(page).fill("")
 
 
 def test_shift_enter_adds_a_line_and_sends_nothing(page):
@@ -243,7 +113,7 @@ def test_examples_fill_the_chat_box_and_the_note_names_the_models_tab(page):
     chat_box(page).fill("")
 
 
-def test_compare_race_is_identical_at_temperature_zero(page, shots):
+def test_compare_race_is_identical_at_temperature_zero(page):
     from dyno_ui.playground.ui import EXAMPLES
 
     page.get_by_role("tab", name="Compare").click()
@@ -254,7 +124,6 @@ def test_compare_race_is_identical_at_temperature_zero(page, shots):
     assert re.search(r"\d+\.\d+× speedup", summary), summary
     assert page.locator("#compare-mtp .tok-draft").count() > 0
     assert page.locator("#plot-race .js-plotly-plot").count() == 1
-    page.screenshot(path=str(shots / "compare.png"), full_page=True)
 
 
 def table_text(page) -> str:
