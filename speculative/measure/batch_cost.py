@@ -28,7 +28,7 @@ from ..config import SamplingParams
 from ..draft_vocab.head import greedy_token
 from ..events import Round
 from ..loader import LoadedModel
-from .cost_model import interleaved
+from .cost_model import interleaved, queued
 from .tuning import ESTIMATE_PROMPT, PRIOR_DECAY, PRIOR_FIRST, resolve_depth, store, stored
 
 WIDTHS = (1, 2, 4, 8)  # batch widths measured; others are interpolated
@@ -125,7 +125,7 @@ class RoundClock:
         by the median ratio of measured to tuned at this width (any width when none here)."""
         if (width, depth) in self.times:
             return statistics.median(self.times[(width, depth)])
-        ratios = {c: statistics.median(t) / self.tuned(*c) for c, t in self.times.items()}
+        ratios = {c: statistics.median(t) / self.tuned(*c) for c, t in self.times.items() if self.tuned(*c) > 0}
         here = [r for (w, _), r in ratios.items() if w == width] or list(ratios.values())
         return self.tuned(width, depth) * (statistics.median(here) if here else 1.0)
 
@@ -245,6 +245,9 @@ def measure_batch_costs(lm: LoadedModel, prompt: Sequence[int], widths: Sequence
         keep.append(batch)
         builders.update(_builders(batch, width, max_depth))
     t = interleaved(builders, reps, burst)
+    # A difference of two timed runs that the machine's noise made zero or negative says nothing:
+    # one call timed alone (its graph building included, so rather more) stands in for it.
+    t = {name: s if s > 0 else queued(builders[name], 1) for name, s in t.items()}
     verify = {b: {n: t[("V", b, n)] for n in range(1, max_depth + 2)} for b in widths}
     return monotone(BatchCosts(verify, {b: t[("D", b)] for b in widths}))
 

@@ -73,6 +73,16 @@ def test_measured_costs_cover_each_width_and_depth(tiny_lm):
     assert all(v > 0 for r in costs.verify.values() for v in r.values()) and all(d > 0 for d in costs.draft.values())
 
 
+def test_a_timing_noise_made_non_positive_is_timed_again_alone(tiny_lm, monkeypatch):
+    real = batch_cost.interleaved
+    monkeypatch.setattr(batch_cost, "interleaved", lambda builds, reps, burst: {
+        name: (-0.001 if name == ("V", 1, 1) else 0.0 if name == ("D", 1) else s)
+        for name, s in real(builds, reps, burst).items()})
+    lm = tiny_lm()
+    costs = measure_batch_costs(lm, lm.tokenizer.encode("def f(x):\n"), widths=(1,), max_depth=1, reps=1)
+    assert costs.verify[1][1] > 0 and costs.draft[1] > 0
+
+
 def test_auto_uses_the_stored_costs(monkeypatch, tmp_path):
     """`--draft-depth auto` in a batched server reads what `dyno tune` stored (nothing is measured)."""
     monkeypatch.setenv("DYNO_CACHE", str(tmp_path))
