@@ -8,6 +8,16 @@ import tempfile
 # decoding (docs/how-it-works.md, Exactness on GPU backends). MLX's own tests pin it the same way.
 os.environ["MLX_ENABLE_TF32"] = "0"
 
+# MLX's CPU backend compiles fused kernels with the C++ compiler into $TMPDIR/mlx/<version>/cpu, a
+# file per kernel written in place: two pytest-xdist workers (pyproject's addopts) that need the same
+# new kernel at once could read each other's half-written source or library. Each worker, and the
+# subprocesses it starts, gets a temporary folder of its own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _worker_tmp = os.path.join(tempfile.gettempdir(), f"dyno-tests-{os.environ['PYTEST_XDIST_WORKER']}")
+    os.makedirs(_worker_tmp, exist_ok=True)
+    os.environ["TMPDIR"] = _worker_tmp
+    tempfile.tempdir = None  # tempfile looks again (DYNO_CACHE below lands in the worker's folder)
+
 import pytest
 
 from helpers import tiny_models
