@@ -53,3 +53,11 @@ def tiny_lm(tiny_dir):
         return loaded[(name, mode)]
 
     return get
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test files with a `slow` test run first, the rest in their usual order after them: pytest-xdist
+    hands whole files to its two workers in this order, so the long ones overlap from the start and
+    short files fill the end (a long file last keeps one worker busy while the other waits)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
