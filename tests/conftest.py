@@ -8,6 +8,16 @@ import tempfile
 # decoding (docs/how-it-works.md, Exactness on GPU backends). MLX's own tests pin it the same way.
 os.environ["MLX_ENABLE_TF32"] = "0"
 
+# MLX's CPU backend compiles fused kernels with the C++ compiler into $TMPDIR/mlx/<version>/cpu, a
+# file per kernel written in place: two pytest-xdist workers (pyproject's addopts) that need the same
+# new kernel at once could read each other's half-written source or library. Each worker, and the
+# subprocesses it starts, gets a temporary folder of its own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _worker_tmp = os.path.join(tempfile.gettempdir(), f"dyno-tests-{os.environ['PYTEST_XDIST_WORKER']}")
+    os.makedirs(_worker_tmp, exist_ok=True)
+    os.environ["TMPDIR"] = _worker_tmp
+    tempfile.tempdir = None  # tempfile looks again (DYNO_CACHE below lands in the worker's folder)
+
 import pytest
 
 from helpers import tiny_models
@@ -43,3 +53,11 @@ def tiny_lm(tiny_dir):
         return loaded[(name, mode)]
 
     return get
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test files with a `slow` test run first, the rest in their usual order after them: pytest-xdist
+    hands whole files to its two workers in this order, so the long ones overlap from the start and
+    short files fill the end (a long file last keeps one worker busy while the other waits)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
