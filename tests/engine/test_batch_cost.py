@@ -68,9 +68,7 @@ def test_costs_are_made_monotone_and_round_trip_through_json():
 
 def test_measured_costs_cover_each_width_and_depth(tiny_lm):
     lm = tiny_lm()
-    # Medians of 3: one timing is a difference of two runs, and a busy machine (CI's two cores, both
-    # running tests) can make a single one come out at or below zero.
-    costs = measure_batch_costs(lm, lm.tokenizer.encode("def f(x):\n"), widths=(1, 2), max_depth=2, reps=3)
+    costs = measure_batch_costs(lm, lm.tokenizer.encode("def f(x):\n"), widths=(1, 2), max_depth=2, reps=1)
     assert sorted(costs.verify) == [1, 2] and all(sorted(r) == [1, 2, 3] for r in costs.verify.values())
     assert all(v > 0 for r in costs.verify.values() for v in r.values()) and all(d > 0 for d in costs.draft.values())
 
