@@ -16,6 +16,7 @@ better depth is found and the estimates follow the machine.
 """
 
 import statistics
+import time
 from collections import deque
 
 from typing import Dict, Iterable, List, Optional, Sequence
@@ -26,6 +27,7 @@ from mlx_lm.models.cache import BatchKVCache
 from ..batched import BatchSpeculator
 from ..config import SamplingParams
 from ..draft_vocab.head import greedy_token
+from ..errors import DynoError
 from ..events import Round
 from ..loader import LoadedModel
 from .cost_model import interleaved, queued
@@ -63,11 +65,15 @@ def interpolate(table: Dict[int, float], width: int) -> float:
 
 
 class BatchCosts:
-    """Measured V(B, t) and D(B) in seconds, with V for unmeasured widths interpolated."""
+    """Measured V(B, t) and D(B) in seconds, with V for unmeasured widths interpolated; and, where
+    measured, R(B, k): a whole round's seconds at depth k, as BatchSpeculator.step runs it."""
 
-    def __init__(self, verify: Dict[int, Dict[int, float]], draft: Dict[int, float]):
+    def __init__(self, verify: Dict[int, Dict[int, float]], draft: Dict[int, float],
+                 rounds: Optional[Dict[int, Dict[int, float]]] = None):
         self.verify = {int(b): {int(t): float(s) for t, s in row.items()} for b, row in verify.items()}
         self.draft = {int(b): float(s) for b, s in draft.items()}
+        self.rounds = ({int(b): {int(k): float(s) for k, s in row.items()} for b, row in rounds.items()}
+                       if rounds else None)
 
     @property
     def max_depth(self) -> int:
@@ -81,19 +87,29 @@ class BatchCosts:
         """Seconds per draft step for `width` rows."""
         return interpolate(self.draft, width)
 
+    def round(self, width: int, depth: int) -> float:
+        """Seconds of a round at `depth` for `width` rows: R where measured, else V(B, k+1) + k·D(B)."""
+        if self.rounds is not None and all(depth in row for row in self.rounds.values()):
+            return interpolate({b: row[depth] for b, row in self.rounds.items()}, width)
+        return self.V(width, depth + 1) + depth * self.D(width)
+
     def as_json(self) -> dict:
-        return {"V": {str(b): {str(t): s for t, s in row.items()} for b, row in self.verify.items()},
-                "D": {str(b): s for b, s in self.draft.items()}}
+        out = {"V": _keyed(self.verify), "D": {str(b): s for b, s in self.draft.items()}}
+        return {**out, "R": _keyed(self.rounds)} if self.rounds else out
 
     @classmethod
     def from_json(cls, data: dict) -> "BatchCosts":
-        return cls(data["V"], data["D"])
+        return cls(data["V"], data["D"], data.get("R"))
+
+
+def _keyed(table: Dict[int, Dict[int, float]]) -> dict:
+    return {str(b): {str(t): s for t, s in row.items()} for b, row in table.items()}
 
 
 def tokens_per_second(costs: BatchCosts, acceptance: Sequence[float], width: int, k: int) -> float:
-    """B * E(k) / (V(B, k+1) + k * D(B)): what a round at depth k delivers per second."""
+    """B * E(k) / R(B, k): what a round at depth k delivers per second."""
     expected = 1.0 + sum(acceptance[:k])
-    return width * expected / (costs.V(width, k + 1) + k * costs.D(width))
+    return width * expected / costs.round(width, k)
 
 
 def best_depth(costs: BatchCosts, acceptance: Sequence[float], width: int, max_depth: int) -> int:
@@ -118,7 +134,7 @@ class RoundClock:
         self.last = cell
 
     def tuned(self, width: int, depth: int) -> float:
-        return self.costs.V(width, depth + 1) + depth * self.costs.D(width)
+        return self.costs.round(width, depth)
 
     def seconds(self, width: int, depth: int) -> float:
         """The measured seconds of a round at `depth` for `width` rows, else the tuned estimate scaled
@@ -231,7 +247,8 @@ def _restore(caches: List, snap: list) -> None:
 def measure_batch_costs(lm: LoadedModel, prompt: Sequence[int], widths: Sequence[int] = WIDTHS,
                         max_depth: int = MAX_DEPTH, reps: int = 5, burst: int = 1,
                         draft_vocab: Optional[int] = None) -> BatchCosts:
-    """V(B, t) for t in 1..max_depth+1 and D(B), each B rows of `prompt` in a BatchSpeculator's caches.
+    """V(B, t) for t in 1..max_depth+1 and D(B), each B rows of `prompt` in a BatchSpeculator's caches,
+    then R(B, k), whole rounds run on those rows.
 
     Each builder queues one pass's graph and rewinds the caches, so every call sees the same context;
     the timing is cost_model's (round-robin bursts, medians).
@@ -249,22 +266,51 @@ def measure_batch_costs(lm: LoadedModel, prompt: Sequence[int], widths: Sequence
     # one call timed alone (its graph building included, so rather more) stands in for it.
     t = {name: s if s > 0 else queued(builders[name], 1) for name, s in t.items()}
     verify = {b: {n: t[("V", b, n)] for n in range(1, max_depth + 2)} for b in widths}
-    return monotone(BatchCosts(verify, {b: t[("D", b)] for b in widths}))
+    rounds = {width: timed_rounds(batch, width, prompt, max_depth, reps) for width, batch in zip(widths, keep)}
+    return monotone(BatchCosts(verify, {b: t[("D", b)] for b in widths}, rounds))
+
+
+def timed_rounds(batch: BatchSpeculator, width: int, prompt: Sequence[int], max_depth: int,
+                 reps: int) -> Dict[int, float]:
+    """Median seconds of whole rounds at each depth 0..max_depth, as a server runs them: what V and D
+    leave out (acceptance, rollback, the host sync) included. Depths take turns, two rounds each,
+    the second timed (the first pays the switch, as RoundClock has it); a row that ends is replaced."""
+    samples: Dict[int, List[float]] = {k: [] for k in range(max_depth + 1)}
+    joined = len(batch)
+    for _ in range(reps):
+        for k in samples:
+            for timed in (False, True):
+                while len(batch) < width:
+                    if batch.join(("refill", joined), prompt, SamplingParams(max_tokens=1 << 20)).finish:
+                        raise DynoError("the timing prompt ends at its first token")
+                    joined += 1
+                start = time.perf_counter()
+                batch.step(k)
+                if timed:
+                    samples[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def monotone(costs: BatchCosts) -> BatchCosts:
-    """The costs made non-decreasing in tokens and in rows (a running maximum): more work never
-    costs less, and a timing the machine's noise pushed below a smaller pass's is that pass's."""
-    ws = sorted(costs.verify)
-    verify, draft = {}, {}
+    """The costs made non-decreasing in tokens (or depth) and in rows (a running maximum): more work
+    never costs less, and a timing the machine's noise pushed below a smaller pass's is that pass's."""
+    ws = sorted(costs.draft)
+    draft = {}
+    for i, b in enumerate(ws):
+        draft[b] = max(costs.draft[b], draft[ws[i - 1]] if i else 0.0)
+    return BatchCosts(_running_max(costs.verify), draft, _running_max(costs.rounds) if costs.rounds else None)
+
+
+def _running_max(table: Dict[int, Dict[int, float]]) -> Dict[int, Dict[int, float]]:
+    ws = sorted(table)
+    out = {}
     for i, b in enumerate(ws):
         row, floor = {}, 0.0
-        for t in sorted(costs.verify[b]):
-            floor = max(floor, costs.verify[b][t], verify[ws[i - 1]][t] if i else 0.0)
+        for t in sorted(table[b]):
+            floor = max(floor, table[b][t], out[ws[i - 1]][t] if i else 0.0)
             row[t] = floor
-        verify[b] = row
-        draft[b] = max(costs.draft[b], draft[ws[i - 1]] if i else 0.0)
-    return BatchCosts(verify, draft)
+        out[b] = row
+    return out
 
 
 def _builders(batch: BatchSpeculator, width: int, max_depth: int) -> dict:

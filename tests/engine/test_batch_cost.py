@@ -71,6 +71,20 @@ def test_measured_costs_cover_each_width_and_depth(tiny_lm):
     costs = measure_batch_costs(lm, lm.tokenizer.encode("def f(x):\n"), widths=(1, 2), max_depth=2, reps=1)
     assert sorted(costs.verify) == [1, 2] and all(sorted(r) == [1, 2, 3] for r in costs.verify.values())
     assert all(v > 0 for r in costs.verify.values() for v in r.values()) and all(d > 0 for d in costs.draft.values())
+    assert sorted(costs.rounds) == [1, 2] and all(sorted(r) == [0, 1, 2] for r in costs.rounds.values())
+    assert all(s > 0 for r in costs.rounds.values() for s in r.values())
+    assert costs.round(2, 1) == costs.rounds[2][1]  # whole rounds, where measured, are the round's cost
+
+
+def test_whole_rounds_where_measured_else_verify_and_draft():
+    with_rounds = BatchCosts(COSTS.verify, COSTS.draft, {1: {0: 2.0, 1: 3.0}, 8: {0: 4.0, 1: 9.0}})
+    assert with_rounds.round(1, 1) == 3.0 and with_rounds.round(4, 1) == pytest.approx(5.571428, rel=1e-5)
+    assert with_rounds.round(1, 2) == pytest.approx(1.2 + 2 * 0.1)  # depth 2 was not run whole
+    assert COSTS.round(2, 2) == pytest.approx(1.8 + 2 * 0.2)
+    again = BatchCosts.from_json(json.loads(json.dumps(with_rounds.as_json())))
+    assert again.rounds == with_rounds.rounds and "R" not in COSTS.as_json()
+    assert monotone(BatchCosts(COSTS.verify, COSTS.draft, {1: {0: 2.0, 1: 1.0}, 2: {0: 1.5, 1: 4.0}})).rounds == {
+        1: {0: 2.0, 1: 2.0}, 2: {0: 2.0, 1: 4.0}}
 
 
 def test_a_timing_noise_made_non_positive_is_timed_again_alone(tiny_lm, monkeypatch):
