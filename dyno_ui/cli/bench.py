@@ -82,9 +82,9 @@ def cmd_tune(args) -> int:
                      "batch_costs": costs.as_json()}, vocab)
     for k in depths:
         print(f"depth {k}: {speedup[k]:.2f}x vs plain mlx-lm" + ("  <- best" if k == best else ""))
-    widths = " ".join(f"{b} rows: {round(costs.V(b, 1) * 1e3, 1)}-{round(costs.V(b, costs.max_depth + 1) * 1e3, 1)}ms"
+    widths = " ".join(f"{b} rows: {round(costs.round(b, 0) * 1e3, 1)}-{round(costs.round(b, costs.max_depth) * 1e3, 1)}ms"
                       for b in sorted(costs.verify))
-    print(f"batched verify cost (depth 0-{costs.max_depth}): {widths}")
+    print(f"batched round (depth 0-{costs.max_depth}): {widths}")
     print(f"stored depth {best} for {lm.path} in {tune_file()}")
     return 0
 
