@@ -120,30 +120,43 @@ def best_depth(costs: BatchCosts, acceptance: Sequence[float], width: int, max_d
 
 class RoundClock:
     """Seconds per round at each (width, depth), from the rounds a policy ran; the tuned costs,
-    scaled to what the timed rounds say of them, for a cell not yet timed."""
+    scaled to what the timed rounds say of them, for a cell not yet timed.
+
+    The machine's speed drifts, and a depth in use is timed every round while the others are timed
+    only now and then: compared as they were taken, a slow spell would make every depth not in use
+    look cheap. So each time is kept divided by `speed`, how slow the machine runs now against the
+    times kept (the median of what the last rounds of cells already timed said of it), and the cells
+    compare in those units.
+    """
 
     def __init__(self, costs: BatchCosts):
         self.costs = costs
-        self.times: Dict[tuple, deque] = {}  # (width, depth) -> the last WINDOW steady rounds' seconds
+        self.times: Dict[tuple, deque] = {}  # (width, depth) -> the last WINDOW steady rounds, / speed
+        self.speed = 1.0
+        self.speeds: deque = deque(maxlen=WINDOW)  # what the last timed rounds said of it
         self.last: Optional[tuple] = None  # the previous round's (width, depth)
 
     def record(self, width: int, depth: int, seconds: float) -> None:
         cell = (width, depth)
         if cell == self.last:
-            self.times.setdefault(cell, deque(maxlen=WINDOW)).append(seconds)
+            kept = self.times.setdefault(cell, deque(maxlen=WINDOW))
+            if kept:  # this round against its cell's kept times: how slow the machine runs now
+                self.speeds.append(seconds / statistics.median(kept))
+                self.speed = statistics.median(self.speeds)
+            kept.append(seconds / self.speed)
         self.last = cell
 
     def tuned(self, width: int, depth: int) -> float:
         return self.costs.round(width, depth)
 
     def seconds(self, width: int, depth: int) -> float:
-        """The measured seconds of a round at `depth` for `width` rows, else the tuned estimate scaled
-        by the median ratio of measured to tuned at this width (any width when none here)."""
+        """The measured seconds of a round at `depth` for `width` rows at today's speed, else the tuned
+        estimate scaled by the median ratio of measured to tuned at this width (any width when none here)."""
         if (width, depth) in self.times:
-            return statistics.median(self.times[(width, depth)])
+            return self.speed * statistics.median(self.times[(width, depth)])
         ratios = {c: statistics.median(t) / self.tuned(*c) for c, t in self.times.items() if self.tuned(*c) > 0}
         here = [r for (w, _), r in ratios.items() if w == width] or list(ratios.values())
-        return self.tuned(width, depth) * (statistics.median(here) if here else 1.0)
+        return self.speed * self.tuned(width, depth) * (statistics.median(here) if here else 1.0)
 
 
 class DepthPolicy:

@@ -125,6 +125,20 @@ def test_timed_rounds_overrule_the_tuned_costs():
     assert policy.clock.seconds(2, 1) == pytest.approx(1.6 * 3.625)
 
 
+def test_a_slow_spell_does_not_make_the_depths_not_in_use_look_cheap():
+    """Depth 0 takes 1 s and depth 1 2.1 s (1 / 1 against 1.9 / 2.1): 0 is best. Then the machine slows
+    by half for a while: depth 0's rounds take 1.5 s, and depth 1, not run, keeps its old times."""
+    policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=1)
+    for depth, seconds in [(1, 2.1)] * 6 + [(0, 1.0)] * 6:
+        policy.record(1, depth, seconds)
+    assert policy.depth_for(1) == 0
+    for _ in range(3 * batch_cost.WINDOW):
+        policy.record(1, 0, 1.5)
+    assert policy.clock.speed == pytest.approx(1.5, rel=0.01)
+    assert policy.clock.seconds(1, 1) == pytest.approx(1.5 * 2.1, rel=0.01)  # what depth 1 would take now
+    assert policy._best(1) == 0
+
+
 def test_one_slow_round_moves_the_estimate_little():
     policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=3)
     for s in [1.0] * 6 + [50.0] + [1.0] * 2:
