@@ -54,11 +54,13 @@ def interleaved(builds: Dict[object, object], reps: int, burst: int = 2) -> Dict
 
 
 def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], reps: int = 15,
-               burst: int = 2, draft_vocab: Optional[int] = None) -> Dict[str, object]:
+               burst: int = 2, draft_vocab: Optional[int] = None,
+               other_projections: Optional[Dict[str, object]] = None) -> Dict[str, object]:
     """Seconds per 1-token trunk step (T1), per k+1-token verify (Tv(k)) and per head step (Td).
 
     Each builder queues one call's graph and rewinds the caches, so back-to-back calls all
-    see the same context.
+    see the same context. `other_projections` (name -> a draft projection, e.g. a DraftLMHead):
+    a head step through each is timed in the same rounds, as "Td_other" {name: seconds}.
     """
     target, head = lm.target, lm.head
     draft_projection = draft_lm_head(lm, draft_vocab)  # what the draft step multiplies by
@@ -86,13 +88,20 @@ def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], re
     g = hidden[:, -1:]
     offset = head_cache[0].offset
 
-    def draft():
-        out = head(target.embed(last), g, head_cache)
-        head_cache[0].trim(head_cache[0].offset - offset)
-        return greedy_token(draft_projection, out[:, -1])  # as a greedy draft picks
+    def draft(projection):
+        def build():
+            out = head(target.embed(last), g, head_cache)
+            head_cache[0].trim(head_cache[0].offset - offset)
+            return greedy_token(projection, out[:, -1])  # as a greedy draft picks
+        return build
 
-    t = interleaved({"T1": step, "Td": draft, **{k: verify(k) for k in depths}}, reps, burst)
-    return {"T1": t["T1"], "Tv": {k: t[k] for k in depths}, "Td": t["Td"]}
+    others = {("Td", name): draft(p) for name, p in (other_projections or {}).items()}
+    t = interleaved({"T1": step, "Td": draft(draft_projection), **{k: verify(k) for k in depths}, **others},
+                    reps, burst)
+    costs = {"T1": t["T1"], "Tv": {k: t[k] for k in depths}, "Td": t["Td"]}
+    if others:
+        costs["Td_other"] = {name: t[("Td", name)] for name in other_projections}
+    return costs
 
 
 def speedup_bound(tokens_per_round: float, t1: float, tv: float, td: float, k: int) -> float:
