@@ -7,7 +7,8 @@ Builds the checkpoint (speculative/measure/random_checkpoint.py) in a temporary 
 the end; times T1, Tv(k), Td (whole vocabulary and auto's smallest draft vocabulary); runs plain
 mlx-lm and Dyno at each depth in alternating pairs, Dyno's drafts replayed to the acceptance profile
 (speculative/measure/replay.py), output checked equal to plain greedy; prints a table and writes a
-JSON record. `--cost-only` skips the pairs (long contexts on a slow machine): the bound alone.
+JSON record. `--padded 8192,32768` adds contexts timed by the cost model alone, their attention caches
+padded with random rows (no prefill: minutes per thousand tokens on a slow CPU): the bound, not a speedup.
 """
 
 import argparse
@@ -38,7 +39,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--reps", type=int, default=7, help="cost-model rounds")
-    ap.add_argument("--cost-only", default="", help="contexts (comma-separated) timed by the cost model only")
+    ap.add_argument("--padded", default="", help="contexts (comma-separated) timed by the cost model only, the "
+                    "attention caches padded with random rows to that length after a short prompt (no prefill)")
     ap.add_argument("--root", help="where the temporary checkpoint goes (default: the system's temp dir)")
     ap.add_argument("--json", help="write the record here")
     args = ap.parse_args()
@@ -47,7 +49,7 @@ def main() -> int:
     if len(profile) < max(depths):
         ap.error(f"the profile has {len(profile)} positions; --depths goes to {max(depths)}")
     contexts = [int(c) for c in args.context.split(",")]
-    cost_only = {int(c) for c in args.cost_only.split(",") if c}
+    padded = [int(c) for c in args.padded.split(",") if c]
     shape = shapes.load(args.shape)
     config = shape["text_config"]
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -65,9 +67,12 @@ def main() -> int:
         lm = load_checkpoint(model, mode="mtp", mtp_head=str(head) if head else None)
         for n in contexts:
             say(f"context {n}")
-            res = measure_context(lm, random_prompt(n), depths, profile, args.max_tokens, args.pairs, args.reps,
-                                  paired=n not in cost_only, notify=say)
-            record["contexts"].append(res)
+            record["contexts"].append(measure_context(lm, random_prompt(n), depths, profile, args.max_tokens,
+                                                      args.pairs, args.reps, notify=say))
+        for n in padded:
+            say(f"context {n}, padded")
+            record["contexts"].append(measure_context(lm, random_prompt(64), depths, profile, args.max_tokens,
+                                                      args.pairs, args.reps, paired=False, padded_to=n, notify=say))
         del lm
     print_table(record)
     if args.json:
@@ -88,7 +93,7 @@ def print_table(record) -> None:
             r = d.get("ratio")
             sp = f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})" if r else "-"
             eff = f"{d['efficiency']:.2f}" if "efficiency" in d else "-"
-            print(f"{c['context']:>7} {k:>5} {ms(cm['T1']):>6} {ms(cm['Tv'][k]):>6} {d['tv_over_t1']:>5.2f} "
+            print(f"{str(c['context']) + ('p' if c.get('padded') else ''):>7} {k:>5} {ms(cm['T1']):>6} {ms(cm['Tv'][k]):>6} {d['tv_over_t1']:>5.2f} "
                   f"{ms(cm['Td']):>6} {ms(cm['Td_draft_vocab']):>6} {d['tokens_per_round']:>7.2f} {d['bound']:>5.2f} "
                   f"{d['bound_draft_vocab']:>5.2f} {sp:>18} {eff:>5} {record['metal_attention'][k]:>10}")
         if "plain" in c:

@@ -7,7 +7,7 @@ run must reproduce the reference tokens (asserted). Tools print; this returns a 
 """
 
 import random
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from ..config import SamplingParams, SpecConfig
 from ..draft_vocab.head import AUTO_MIN_SHARE, AUTO_STEP, DraftLMHead, lm_head_module, ranked_ids
@@ -52,20 +52,26 @@ def random_prompt(length: int, seed: int = 0, vocab: int = 256) -> List[int]:
 
 def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], profile: Sequence[float],
                     max_tokens: int, pairs: int, reps: int, seed: int = 0, paired: bool = True,
-                    notify=None) -> Dict[str, object]:
-    """The record for one context: reference, cost model, and (when `paired`) the paired runs."""
+                    padded_to: Optional[int] = None, notify=None) -> Dict[str, object]:
+    """The record for one context: reference, cost model, and (when `paired`) the paired runs.
+
+    `padded_to` (cost model only, not paired): the attention caches grown to that many rows after
+    `prompt` (cost_model.pad_attention), a long context without its prefill.
+    """
     say = notify or (lambda _m: None)
     params = SamplingParams(max_tokens=max_tokens)
-    # Cost-only: one token, for mlx-lm's prefill time; paired: the tokens the replayed drafts follow.
-    reference = run_mlx_lm(lm, prompt, SamplingParams(max_tokens=max_tokens + max(depths) if paired else 1))
-    say(f"reference: {len(reference.tokens)} tokens, prefill {reference.ttft_s:.2f}s")
+    record = {"context": padded_to or len(prompt), "padded": bool(padded_to), "depths": {}}
+    if paired:  # the tokens the replayed drafts follow; its prefill is mlx-lm's
+        reference = run_mlx_lm(lm, prompt, SamplingParams(max_tokens=max_tokens + max(depths)))
+        record["reference_prefill_s"] = reference.ttft_s
+        say(f"reference: {len(reference.tokens)} tokens, prefill {reference.ttft_s:.2f}s")
     vocab = lm.target.args.vocab_size
     n = draft_vocab_floor(vocab)
     subset = DraftLMHead(lm_head_module(lm.target), ranked_ids(lm.tokenizer, vocab, n), vocab)
-    costs = cost_model(lm, prompt, depths, reps=reps, burst=1, other_projections={n: subset})
+    costs = cost_model(lm, prompt, depths, reps=reps, burst=1, other_projections={n: subset}, context=padded_to)
     costs["Td_draft_vocab"], costs["draft_vocab_tokens"] = costs.pop("Td_other")[n], n
-    say(f"cost model: T1 {costs['T1'] * 1e3:.0f}ms Td {costs['Td'] * 1e3:.0f}ms")
-    record = {"context": len(prompt), "reference_prefill_s": reference.ttft_s, "cost_model": costs, "depths": {}}
+    record["cost_model"] = costs
+    say(f"cost model at {record['context']}: T1 {costs['T1'] * 1e3:.0f}ms Td {costs['Td'] * 1e3:.0f}ms")
     if not paired:
         for k in depths:
             record["depths"][k] = _bounds(costs, k, 1 + sum(profile[:k]))
