@@ -35,7 +35,8 @@ def main() -> int:
     ap.add_argument("--bits", type=int, default=16, choices=[16, 8, 4])
     ap.add_argument("--acceptance", default="27b-code", help="profile name or rates, e.g. 0.93,0.86,0.75")
     ap.add_argument("--depths", default="1,2,3")
-    ap.add_argument("--context", default="64", help="prompt lengths in tokens, comma-separated")
+    ap.add_argument("--context", default="64", help="prompt lengths in tokens, comma-separated (paired runs)")
+    ap.add_argument("--pad-prompt", type=int, default=16, help="prompt length before the padding of --padded")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--reps", type=int, default=7, help="cost-model rounds")
@@ -48,7 +49,7 @@ def main() -> int:
     profile = parse_profile(args.acceptance)
     if len(profile) < max(depths):
         ap.error(f"the profile has {len(profile)} positions; --depths goes to {max(depths)}")
-    contexts = [int(c) for c in args.context.split(",")]
+    contexts = [int(c) for c in args.context.split(",") if c]
     padded = [int(c) for c in args.padded.split(",") if c]
     shape = shapes.load(args.shape)
     config = shape["text_config"]
@@ -71,7 +72,7 @@ def main() -> int:
                                                       args.pairs, args.reps, notify=say))
         for n in padded:
             say(f"context {n}, padded")
-            record["contexts"].append(measure_context(lm, random_prompt(64), depths, profile, args.max_tokens,
+            record["contexts"].append(measure_context(lm, random_prompt(args.pad_prompt), depths, profile, args.max_tokens,
                                                       args.pairs, args.reps, paired=False, padded_to=n, notify=say))
         del lm
     print_table(record)
