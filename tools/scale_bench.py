@@ -98,8 +98,12 @@ def print_table(record) -> None:
                   f"{ms(cm['Td']):>6} {ms(cm['Td_draft_vocab']):>6} {d['tokens_per_round']:>7.2f} {d['bound']:>5.2f} "
                   f"{d['bound_draft_vocab']:>5.2f} {sp:>18} {eff:>5} {record['metal_attention'][k]:>10}")
         if "plain" in c:
-            print(f"{'':>7} prefill: mlx-lm {c['plain']['prefill_s']['median']:.2f}s, plain decode "
-                  f"{c['plain']['decode_tps']['median']:.2f} tok/s")
+            p = c["plain"]
+            print(f"{'':>7} prefill: mlx-lm {p['prefill_s']['median']:.2f}s, Dyno " +
+                  " ".join(f"{d['prefill_s']['median']:.2f}s@{k}" for k, d in c["depths"].items()) +
+                  f"; plain decode {p['decode_tps']['median']:.2f} tok/s, its step {p['step_over_t1']:.2f}x T1; "
+                  "round / model calls: " + " ".join(f"{ms(d['round_s'])}/{ms(d['model_calls_s'])}ms@{k}"
+                                                       for k, d in c["depths"].items()))
 
 
 if __name__ == "__main__":

@@ -92,6 +92,8 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
             say(f"pair {i + 1}: depth {k} {run.decode_tps / plain[-1].decode_tps:.2f}x")
     record["plain"] = {"decode_tps": summarize([r.decode_tps for r in plain]),
                        "prefill_s": summarize([r.ttft_s for r in plain])}
+    # Plain mlx-lm's own step against T1: the bound assumes they are equal.
+    record["plain"]["step_over_t1"] = 1 / record["plain"]["decode_tps"]["median"] / costs["T1"]
     for k in depths:
         total = GenerationStats()
         for r in runs[k]:
@@ -102,6 +104,10 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
                      prefill_s=summarize([r.ttft_s for r in runs[k]]), identical=True,
                      acceptance_by_position=total.acceptance_by_position(), rounds=total.rounds)
         entry["efficiency"] = entry["ratio"]["median"] / entry["bound"]
+        # Where the time goes: a round as decoded (tokens per round / decode rate) against the model
+        # calls the bound counts, Tv(k) + k*Td, timed apart from the runs.
+        entry["round_s"] = total.tokens_per_round / entry["decode_tps"]["median"]
+        entry["model_calls_s"] = costs["Tv"][k] + k * costs["Td"]
         record["depths"][k] = entry
     return record
 
