@@ -52,10 +52,11 @@ def run_mlx_lm(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams) -
     return Run(tokens, _tps(len(tokens), first, last), (first or start) - start)
 
 
-def run_dyno(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams, spec: SpecConfig) -> Run:
-    """Dyno through its public generator, folded by GenerationStats."""
+def run_dyno(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams, spec: SpecConfig,
+             runner=None) -> Run:
+    """Dyno through its public generator, folded by GenerationStats (`runner`: generate's seam)."""
     stats = GenerationStats()
-    for e in generate(lm, prompt, params, spec):
+    for e in generate(lm, prompt, params, spec, runner=runner):
         stats.add(e)
     return Run(stats.tokens, stats.decode_tokens_per_s or 0.0, stats.done.prefill_s, stats)
 

@@ -9,6 +9,7 @@ import time
 from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from ..rollback import restore, snapshot
 from ..draft_vocab.head import draft_lm_head, greedy_token
@@ -54,11 +55,16 @@ def interleaved(builds: Dict[object, object], reps: int, burst: int = 2) -> Dict
 
 
 def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], reps: int = 15,
-               burst: int = 2, draft_vocab: Optional[int] = None) -> Dict[str, object]:
+               burst: int = 2, draft_vocab: Optional[int] = None,
+               other_projections: Optional[Dict[str, object]] = None,
+               context: Optional[int] = None) -> Dict[str, object]:
     """Seconds per 1-token trunk step (T1), per k+1-token verify (Tv(k)) and per head step (Td).
 
     Each builder queues one call's graph and rewinds the caches, so back-to-back calls all
-    see the same context.
+    see the same context. `other_projections` (name -> a draft projection, e.g. a DraftLMHead):
+    a head step through each is timed in the same rounds, as "Td_other" {name: seconds}.
+    `context`: every attention cache (trunk and head) padded to that many rows after the prompt
+    (pad_attention), for long contexts without their prefill.
     """
     target, head = lm.target, lm.head
     draft_projection = draft_lm_head(lm, draft_vocab)  # what the draft step multiplies by
@@ -67,6 +73,8 @@ def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], re
     hidden = target.hidden(tokens, trunk)
     head_cache = head.make_cache()
     head(target.embed(tokens), hidden, head_cache)
+    if context:
+        pad_attention(trunk + head_cache, context)
     mx.eval([c.state for c in trunk + head_cache])
     snap = snapshot(trunk)
     last = tokens[:, -1:]
@@ -86,13 +94,39 @@ def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], re
     g = hidden[:, -1:]
     offset = head_cache[0].offset
 
-    def draft():
-        out = head(target.embed(last), g, head_cache)
-        head_cache[0].trim(head_cache[0].offset - offset)
-        return greedy_token(draft_projection, out[:, -1])  # as a greedy draft picks
+    def draft(projection):
+        def build():
+            out = head(target.embed(last), g, head_cache)
+            head_cache[0].trim(head_cache[0].offset - offset)
+            return greedy_token(projection, out[:, -1])  # as a greedy draft picks
+        return build
 
-    t = interleaved({"T1": step, "Td": draft, **{k: verify(k) for k in depths}}, reps, burst)
-    return {"T1": t["T1"], "Tv": {k: t[k] for k in depths}, "Td": t["Td"]}
+    others = {("Td", name): draft(p) for name, p in (other_projections or {}).items()}
+    t = interleaved({"T1": step, "Td": draft(draft_projection), **{k: verify(k) for k in depths}, **others},
+                    reps, burst)
+    costs = {"T1": t["T1"], "Tv": {k: t[k] for k in depths}, "Td": t["Td"]}
+    if others:
+        costs["Td_other"] = {name: t[("Td", name)] for name in other_projections}
+    return costs
+
+
+def pad_attention(caches, length: int, seed: int = 0) -> None:
+    """Grow every KVCache in `caches` to `length` rows of random keys and values.
+
+    An attention call costs what its key count makes it cost, whatever the keys hold, and the
+    recurrent (GDN) layers' state has one size at any length: so a padded cache times a step at
+    `length` tokens of context without a prefill that takes minutes on a CPU.
+    """
+    key = mx.random.key(seed)
+    for c in caches:
+        if not isinstance(c, KVCache) or c.offset >= length:
+            continue
+        b, heads, _, d = c.keys.shape
+        key, k1, k2 = mx.random.split(key, 3)
+        n = length - c.offset
+        c.update_and_fetch(mx.random.normal((b, heads, n, d), dtype=c.keys.dtype, key=k1),
+                           mx.random.normal((b, heads, n, c.values.shape[-1]), dtype=c.values.dtype, key=k2))
+        mx.eval(c.keys, c.values)
 
 
 def speedup_bound(tokens_per_round: float, t1: float, tv: float, td: float, k: int) -> float:

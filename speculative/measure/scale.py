@@ -1,0 +1,120 @@
+"""Speed at real scale: one real-shaped model, replayed acceptance, paired against plain mlx-lm.
+
+At one context length: a plain greedy reference run (which the replayed drafts follow), the cost
+model (T1, Tv(k), Td over the whole vocabulary and over a draft vocabulary), then pairs of plain
+mlx-lm and Dyno at each depth, alternating, with the bound and the engine efficiency. Every Dyno
+run must reproduce the reference tokens (asserted). Tools print; this returns a record.
+"""
+
+import random
+from typing import Dict, List, Optional, Sequence
+
+from ..config import SamplingParams, SpecConfig
+from ..draft_vocab.head import AUTO_MIN_SHARE, AUTO_STEP, DraftLMHead, lm_head_module, ranked_ids
+from ..loader import LoadedModel
+from ..stats import GenerationStats
+from .bench import run_dyno, run_mlx_lm, summarize
+from .cost_model import cost_model, speedup_bound
+from .replay import replayed_runner
+
+# MLX's Metal attention dispatch (mlx/backend/metal/scaled_dot_product_attention.cpp, has_fused_kernel
+# and use_fallback, read at ml-explore/mlx commit 00703ea): up to 8 query rows take the fused vector
+# kernel when the head dim is one it has and rows x GQA factor <= 32; more rows at head dim 256 take
+# the unfused ops. MLX's CPU backend always takes the unfused ops.
+VECTOR_MAX_ROWS, VECTOR_MAX_ROWS_X_GQA = 8, 32
+VECTOR_HEAD_DIMS = (64, 96, 128, 192, 256, 512)
+
+
+def metal_attention_kernel(text_config: dict, rows: int) -> str:
+    """Which attention path a `rows`-query pass (a verify of rows - 1 drafts) takes on Metal."""
+    gqa = text_config["num_attention_heads"] // text_config["num_key_value_heads"]
+    d = text_config["head_dim"]
+    if rows <= VECTOR_MAX_ROWS and d in VECTOR_HEAD_DIMS and rows * gqa <= VECTOR_MAX_ROWS_X_GQA:
+        return "vector"
+    return "unfused"
+
+
+def deepest_vector_depth(text_config: dict) -> int:
+    """The deepest draft depth whose verify (depth + 1 rows) keeps Metal's vector kernel."""
+    return max((k for k in range(0, VECTOR_MAX_ROWS) if metal_attention_kernel(text_config, k + 1) == "vector"), default=0)
+
+
+def draft_vocab_floor(vocab: int) -> int:
+    """auto's smallest draft vocabulary (draft_vocab.head: 1/8 of the rows, in steps of 256)."""
+    return -(-int(vocab * AUTO_MIN_SHARE) // AUTO_STEP) * AUTO_STEP
+
+
+def random_prompt(length: int, seed: int = 0, vocab: int = 256) -> List[int]:
+    """`length` seeded token ids among the tokenizer's byte tokens: context for a random model."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], profile: Sequence[float],
+                    max_tokens: int, pairs: int, reps: int, seed: int = 0, paired: bool = True,
+                    padded_to: Optional[int] = None, notify=None) -> Dict[str, object]:
+    """The record for one context: reference, cost model, and (when `paired`) the paired runs.
+
+    `padded_to` (cost model only, not paired): the attention caches grown to that many rows after
+    `prompt` (cost_model.pad_attention), a long context without its prefill.
+    """
+    say = notify or (lambda _m: None)
+    params = SamplingParams(max_tokens=max_tokens)
+    record = {"context": padded_to or len(prompt), "padded": bool(padded_to), "depths": {}}
+    if paired:  # the tokens the replayed drafts follow; its prefill is mlx-lm's
+        reference = run_mlx_lm(lm, prompt, SamplingParams(max_tokens=max_tokens + max(depths)))
+        record["reference_prefill_s"] = reference.ttft_s
+        say(f"reference: {len(reference.tokens)} tokens, prefill {reference.ttft_s:.2f}s")
+    vocab = lm.target.args.vocab_size
+    n = draft_vocab_floor(vocab)
+    subset = DraftLMHead(lm_head_module(lm.target), ranked_ids(lm.tokenizer, vocab, n), vocab)
+    costs = cost_model(lm, prompt, depths, reps=reps, burst=1, other_projections={n: subset}, context=padded_to)
+    costs["Td_draft_vocab"], costs["draft_vocab_tokens"] = costs.pop("Td_other")[n], n
+    record["cost_model"] = costs
+    say(f"cost model at {record['context']}: T1 {costs['T1'] * 1e3:.0f}ms Td {costs['Td'] * 1e3:.0f}ms")
+    if not paired:
+        for k in depths:
+            record["depths"][k] = _bounds(costs, k, 1 + sum(profile[:k]))
+        return record
+    runner = replayed_runner(reference.tokens, profile, seed)
+    for k in depths:  # warm-up: allocation and the first pass at each width
+        run_dyno(lm, prompt, SamplingParams(max_tokens=4), SpecConfig("mtp", k, None), runner=runner)
+    plain, runs = [], {k: [] for k in depths}
+    for i in range(pairs):
+        plain.append(run_mlx_lm(lm, prompt, params))
+        for k in depths:
+            # Each run its own seed: the pairs sample different rounds, as different prompts would.
+            run = run_dyno(lm, prompt, params, SpecConfig("mtp", k, None),
+                           runner=replayed_runner(reference.tokens, profile, seed + i))
+            if run.tokens != reference.tokens[:max_tokens]:
+                raise AssertionError(f"depth {k}: replayed drafting changed the greedy output")
+            runs[k].append(run)
+            say(f"pair {i + 1}: depth {k} {run.decode_tps / plain[-1].decode_tps:.2f}x")
+    record["plain"] = {"decode_tps": summarize([r.decode_tps for r in plain]),
+                       "prefill_s": summarize([r.ttft_s for r in plain])}
+    # Plain mlx-lm's own step against T1: the bound assumes they are equal.
+    record["plain"]["step_over_t1"] = 1 / record["plain"]["decode_tps"]["median"] / costs["T1"]
+    for k in depths:
+        total = GenerationStats()
+        for r in runs[k]:
+            total.merge(r.stats)
+        ratios = [r.decode_tps / p.decode_tps for r, p in zip(runs[k], plain)]
+        entry = _bounds(costs, k, total.tokens_per_round)
+        entry.update(ratio=summarize(ratios), ratios=ratios, decode_tps=summarize([r.decode_tps for r in runs[k]]),
+                     prefill_s=summarize([r.ttft_s for r in runs[k]]), identical=True,
+                     acceptance_by_position=total.acceptance_by_position(), rounds=total.rounds)
+        entry["efficiency"] = entry["ratio"]["median"] / entry["bound"]
+        # Where the time goes: a round as decoded (tokens per round / decode rate) against the model
+        # calls the bound counts, Tv(k) + k*Td, timed apart from the runs.
+        entry["round_s"] = total.tokens_per_round / entry["decode_tps"]["median"]
+        entry["model_calls_s"] = costs["Tv"][k] + k * costs["Td"]
+        record["depths"][k] = entry
+    return record
+
+
+def _bounds(costs: dict, k: int, tokens_per_round: float) -> dict:
+    """The cost model's bound at depth k, drafting over the whole vocabulary and over the subset."""
+    t1, tv = costs["T1"], costs["Tv"][k]
+    return {"tokens_per_round": tokens_per_round, "tv_over_t1": tv / t1,
+            "bound": speedup_bound(tokens_per_round, t1, tv, costs["Td"], k),
+            "bound_draft_vocab": speedup_bound(tokens_per_round, t1, tv, costs["Td_draft_vocab"], k)}

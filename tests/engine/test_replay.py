@@ -1,0 +1,33 @@
+"""Replayed acceptance: scripted drafts keep the output plain greedy's and hit the profile."""
+
+import math
+
+import pytest
+
+from speculative.config import SamplingParams, SpecConfig
+from speculative.errors import DynoError
+from speculative.measure.bench import run_dyno, run_mlx_lm
+from speculative.measure.replay import parse_profile, replayed_runner
+
+PROMPT = [5, 17, 101, 42, 7]
+
+
+@pytest.mark.parametrize("depth,profile", [(3, (0.93, 0.86, 0.75)), (2, (0.5, 0.2))])
+def test_replay_is_exact_and_follows_the_profile(tiny_lm, depth, profile):
+    lm = tiny_lm("tied-gqa2")
+    n = 240
+    reference = run_mlx_lm(lm, PROMPT, SamplingParams(max_tokens=n + depth)).tokens
+    run = run_dyno(lm, PROMPT, SamplingParams(max_tokens=n), SpecConfig("mtp", depth, None),
+                   runner=replayed_runner(reference, profile, seed=1))
+    assert run.tokens == reference[:n]
+    drafted = run.stats.drafted_per_position
+    for p, got, rounds in zip(profile, run.stats.acceptance_by_position(), drafted):
+        assert abs(got - p) <= 4 * math.sqrt(p * (1 - p) / rounds) + 1e-9, (profile, run.stats.acceptance_by_position())
+
+
+def test_profiles_are_checked():
+    assert parse_profile("27b-code") == (0.93, 0.86, 0.75)
+    assert parse_profile("0.9,0.5") == (0.9, 0.5)
+    for bad in ("0.5,0.9", "1.2", "x"):
+        with pytest.raises(DynoError):
+            parse_profile(bad)
