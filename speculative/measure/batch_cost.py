@@ -18,7 +18,6 @@ better depth is found and the estimates follow the machine.
 import statistics
 import time
 from collections import deque
-
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
@@ -106,18 +105,6 @@ def _keyed(table: Dict[int, Dict[int, float]]) -> dict:
     return {str(b): {str(t): s for t, s in row.items()} for b, row in table.items()}
 
 
-def tokens_per_second(costs: BatchCosts, acceptance: Sequence[float], width: int, k: int) -> float:
-    """B * E(k) / R(B, k): what a round at depth k delivers per second."""
-    expected = 1.0 + sum(acceptance[:k])
-    return width * expected / costs.round(width, k)
-
-
-def best_depth(costs: BatchCosts, acceptance: Sequence[float], width: int, max_depth: int) -> int:
-    """The depth in 0..max_depth with the most tokens per second (the shallower on a tie)."""
-    depths = range(min(max_depth, costs.max_depth, len(acceptance)) + 1)
-    return max(depths, key=lambda k: (tokens_per_second(costs, acceptance, width, k), -k))
-
-
 class RoundClock:
     """Seconds per round at each (width, depth), from the rounds a policy ran; the tuned costs,
     scaled to what the timed rounds say of them, for a cell not yet timed.
@@ -199,7 +186,7 @@ class DepthPolicy:
         elif width <= 0:
             k = 0
         else:
-            k = self._best(width)
+            k = self.best_depth(width)
             n = self.rounds[width] = self.rounds.get(width, 0) + 1
             if n % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_RUN:  # time a neighbour, deeper and shallower in turn
                 step = 1 if (n // EXPLORE_EVERY) % 2 else -1
@@ -210,7 +197,7 @@ class DepthPolicy:
         counts[k] = counts.get(k, 0) + 1
         return k
 
-    def _best(self, width: int) -> int:
+    def best_depth(self, width: int) -> int:
         """The depth with the most tokens per second for `width` rows (the shallower on a tie)."""
         rates = self.expected_rates(width)
         return max(rates, key=lambda k: (rates[k], -k))

@@ -7,7 +7,7 @@ import pytest
 
 from speculative.events import Provenance, Round, Token
 from speculative.measure import batch_cost, tuning
-from speculative.measure.batch_cost import BatchCosts, DepthPolicy, best_depth, measure_batch_costs, monotone
+from speculative.measure.batch_cost import BatchCosts, DepthPolicy, measure_batch_costs, monotone
 
 ACCEPTANCE = [0.9, 0.8, 0.7]  # E(k) = 1, 1.9, 2.7, 3.4
 COSTS = BatchCosts(
@@ -15,6 +15,11 @@ COSTS = BatchCosts(
             2: {1: 1.0, 2: 1.4, 3: 1.8, 4: 2.2},
             8: {1: 2.0, 2: 4.0, 3: 6.0, 4: 8.0}},
     draft={1: 0.1, 2: 0.2, 8: 0.4})
+
+
+def best_depth(costs, acceptance, width, max_depth):
+    """The depth a policy picks before it has timed any round: the tuned costs' best."""
+    return DepthPolicy(costs, acceptance, max_depth=max_depth).best_depth(width)
 
 
 def test_the_depth_with_the_most_tokens_per_second():
@@ -136,7 +141,7 @@ def test_a_slow_spell_does_not_make_the_depths_not_in_use_look_cheap():
         policy.record(1, 0, 1.5)
     assert policy.clock.speed == pytest.approx(1.5, rel=0.01)
     assert policy.clock.seconds(1, 1) == pytest.approx(1.5 * 2.1, rel=0.01)  # what depth 1 would take now
-    assert policy._best(1) == 0
+    assert policy.best_depth(1) == 0
 
 
 def test_one_slow_round_moves_the_estimate_little():
@@ -159,7 +164,7 @@ def test_exploring_neighbours_finds_the_depth_the_tuned_costs_missed():
         k = policy.depth_for(1)
         policy.record(1, k, true_seconds(k))
         picked.append(k)
-    assert picked[0] == 3 and policy._best(1) == 1
+    assert picked[0] == 3 and policy.best_depth(1) == 1
     last = picked[-2 * batch_cost.EXPLORE_EVERY:]  # settled: depth 1 but for the neighbours' timed rounds
     assert last.count(1) == len(last) - 2 * batch_cost.EXPLORE_RUN
     assert sorted(set(last)) == [0, 1, 2]
