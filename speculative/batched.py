@@ -265,7 +265,7 @@ class BatchSpeculator:
         follow = mx.where(mx.arange(k + 1)[None] < n_acc[:, None],
                           mx.concatenate([drafts, nxt[:, None]], axis=1), nxt[:, None])
         head_rows = self.head(self.target.embed(follow), hidden, self.head_cache)
-        mx.async_eval(head_rows)  # computes while the host rolls back and hands out the round's tokens
+        mx.async_eval(head_rows)  # queued with the round's sync, as in the serial round
         mx.eval(n_acc, nxt, drafts)  # the round's one host sync
         kept = [a + 1 for a in n_acc.tolist()]
         rollback_rows([c for c in self.trunk_cache if isinstance(c, BatchKVCache)], tapes, k + 1, kept)

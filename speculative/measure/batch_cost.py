@@ -111,9 +111,10 @@ class RoundClock:
 
     The machine's speed drifts, and a depth in use is timed every round while the others are timed
     only now and then: compared as they were taken, a slow spell would make every depth not in use
-    look cheap. So each time is kept divided by `speed`, how slow the machine runs now against the
-    times kept (the median of what the last rounds of cells already timed said of it), and the cells
-    compare in those units.
+    look cheap. So each time is kept divided by `speed`, how slow the machine runs now, and the cells
+    compare in those units. `speed` is the median of what the last rounds said of it against their
+    cell's reference: the median of its first WINDOW kept times, then fixed (against the kept times
+    themselves, each divided by the speed of its day, the estimate would wander with the noise).
     """
 
     def __init__(self, costs: BatchCosts):
@@ -121,16 +122,19 @@ class RoundClock:
         self.times: Dict[tuple, deque] = {}  # (width, depth) -> the last WINDOW steady rounds, / speed
         self.speed = 1.0
         self.speeds: deque = deque(maxlen=WINDOW)  # what the last timed rounds said of it
+        self.refs: Dict[tuple, float] = {}  # a cell's first WINDOW kept times' median, in `speed` units
         self.last: Optional[tuple] = None  # the previous round's (width, depth)
 
     def record(self, width: int, depth: int, seconds: float) -> None:
         cell = (width, depth)
         if cell == self.last:
             kept = self.times.setdefault(cell, deque(maxlen=WINDOW))
-            if kept:  # this round against its cell's kept times: how slow the machine runs now
-                self.speeds.append(seconds / statistics.median(kept))
+            if cell in self.refs:  # this round against its cell's reference: how slow the machine runs now
+                self.speeds.append(seconds / self.refs[cell])
                 self.speed = statistics.median(self.speeds)
             kept.append(seconds / self.speed)
+            if cell not in self.refs and len(kept) == WINDOW:
+                self.refs[cell] = statistics.median(kept)
         self.last = cell
 
     def tuned(self, width: int, depth: int) -> float:
@@ -199,6 +203,8 @@ class DepthPolicy:
 
     def best_depth(self, width: int) -> int:
         """The depth with the most tokens per second for `width` rows (the shallower on a tie)."""
+        if self.pinned is not None:
+            return self.pinned
         rates = self.expected_rates(width)
         return max(rates, key=lambda k: (rates[k], -k))
 

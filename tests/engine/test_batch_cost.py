@@ -1,6 +1,8 @@
 """The batched depth policy: with hand-made V, D and acceptance it picks the hand-computed depth."""
 
 import json
+import random
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -134,7 +136,7 @@ def test_a_slow_spell_does_not_make_the_depths_not_in_use_look_cheap():
     """Depth 0 takes 1 s and depth 1 2.1 s (1 / 1 against 1.9 / 2.1): 0 is best. Then the machine slows
     by half for a while: depth 0's rounds take 1.5 s, and depth 1, not run, keeps its old times."""
     policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=1)
-    for depth, seconds in [(1, 2.1)] * 6 + [(0, 1.0)] * 6:
+    for depth, seconds in [(1, 2.1)] * 12 + [(0, 1.0)] * 12:
         policy.record(1, depth, seconds)
     assert policy.depth_for(1) == 0
     for _ in range(3 * batch_cost.WINDOW):
@@ -142,6 +144,24 @@ def test_a_slow_spell_does_not_make_the_depths_not_in_use_look_cheap():
     assert policy.clock.speed == pytest.approx(1.5, rel=0.01)
     assert policy.clock.seconds(1, 1) == pytest.approx(1.5 * 2.1, rel=0.01)  # what depth 1 would take now
     assert policy.best_depth(1) == 0
+
+
+def test_the_speed_estimate_does_not_wander_with_noise():
+    """Rounds of constant true cost with 8% noise, thousands of them: what the depth in use takes, and
+    what a depth timed only at the start would take now, stay where they are."""
+    rng = random.Random(0)
+    policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=1)
+    for _ in range(12):
+        policy.record(1, 1, 2.0 * rng.gauss(1, 0.08))
+    seen = []
+    for i in range(5000):
+        policy.record(1, 0, 1.0 * rng.gauss(1, 0.08))
+        if i > 20:
+            seen.append((policy.clock.seconds(1, 0), policy.clock.seconds(1, 1)))
+    early, late = seen[:500], seen[-500:]
+    for i, true in ((0, 1.0), (1, 2.0)):  # no drift: the means early and late agree, and with the truth
+        assert statistics.mean(x[i] for x in early) == pytest.approx(true, rel=0.06)
+        assert statistics.mean(x[i] for x in late) == pytest.approx(statistics.mean(x[i] for x in early), rel=0.03)
 
 
 def test_one_slow_round_moves_the_estimate_little():
@@ -173,4 +193,5 @@ def test_exploring_neighbours_finds_the_depth_the_tuned_costs_missed():
 def test_a_pinned_policy_ignores_round_times():
     policy = DepthPolicy(None, [], pinned=2)
     policy.record(1, 2, 100.0)
+    assert policy.clock is None and policy.best_depth(1) == 2
     assert [policy.depth_for(1) for _ in range(3 * batch_cost.EXPLORE_EVERY)] == [2] * 3 * batch_cost.EXPLORE_EVERY

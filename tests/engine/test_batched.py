@@ -156,6 +156,8 @@ def test_a_seeded_row_draws_the_same_alone_and_in_a_batch(bundled, depth):
     beside, _ = drive(BatchSpeculator(lm), depth, {0: other[:1], 2: [("s", prompt, SAMPLED)], 5: other[1:]})
     assert tokens(alone["s"]) == reference
     assert tokens(beside["s"]) == reference
+    # The greedy row took the batched greedy acceptance alone, the per-row one beside sampled rows.
+    assert tokens(beside["g"]) == plain_greedy(lm, lm.tokenizer.encode(PROMPTS[2]), 30)
 
 
 def test_a_row_with_processors_beside_a_free_row(bundled):
