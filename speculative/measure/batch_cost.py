@@ -123,10 +123,12 @@ class RoundClock:
         self.speed = 1.0
         self.speeds: deque = deque(maxlen=WINDOW)  # what the last timed rounds said of it
         self.refs: Dict[tuple, float] = {}  # a cell's first WINDOW kept times' median, in `speed` units
+        self._ratios: Optional[Dict[tuple, float]] = None  # timed/tuned per timed cell, until the next record
         self.last: Optional[tuple] = None  # the previous round's (width, depth)
 
     def record(self, width: int, depth: int, seconds: float) -> None:
         cell = (width, depth)
+        self._ratios = None
         if cell == self.last:
             kept = self.times.setdefault(cell, deque(maxlen=WINDOW))
             if cell in self.refs:  # this round against its cell's reference: how slow the machine runs now
@@ -145,8 +147,10 @@ class RoundClock:
         estimate scaled by the median ratio of measured to tuned at this width (any width when none here)."""
         if (width, depth) in self.times:
             return self.speed * statistics.median(self.times[(width, depth)])
-        ratios = {c: statistics.median(t) / self.tuned(*c) for c, t in self.times.items() if self.tuned(*c) > 0}
-        here = [r for (w, _), r in ratios.items() if w == width] or list(ratios.values())
+        if self._ratios is None:  # once per round, not once per depth asked about
+            self._ratios = {c: statistics.median(t) / self.tuned(*c) for c, t in self.times.items()
+                            if self.tuned(*c) > 0}
+        here = [r for (w, _), r in self._ratios.items() if w == width] or list(self._ratios.values())
         return self.speed * self.tuned(width, depth) * (statistics.median(here) if here else 1.0)
 
 
