@@ -7,6 +7,7 @@ import math
 import pytest
 
 from dyno_ui.paths import BUNDLED_MODEL
+from helpers.drafts import rounds_with_tokens
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
 from speculative.errors import DynoError
@@ -30,17 +31,6 @@ def events(lm, params, details, depth=3, runner=None):
 
 def tokens(evs):
     return [e.id for e in evs if isinstance(e, Token)]
-
-
-def rounds_with_tokens(evs):
-    """(Round, its tokens) pairs."""
-    out = []
-    for e in evs:
-        if isinstance(e, Round):
-            out.append((e, []))
-        elif isinstance(e, Token) and out:
-            out[-1][1].append(e)
-    return out
 
 
 def test_greedy_output_with_details_equals_without(lm):

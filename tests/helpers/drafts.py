@@ -1,6 +1,7 @@
 """The drafts a speculative run made, and the greedy rule replayed by hand over them."""
 
 from speculative.engine import Speculator
+from speculative.events import Round, Token
 
 
 class RecordingSpeculator(Speculator):
@@ -35,3 +36,14 @@ def replay(drafts, reference, n):
         kept.append(a)
         out += a + 1
     return kept
+
+
+def rounds_with_tokens(events):
+    """A run's events as (Round, the tokens delivered after it) pairs."""
+    out = []
+    for e in events:
+        if isinstance(e, Round):
+            out.append((e, []))
+        elif isinstance(e, Token) and out:
+            out[-1][1].append(e)
+    return out

@@ -9,9 +9,10 @@ import re
 import pytest
 
 from helpers.browser import chat_box, new_page, set_number, wait_for_stats
+from helpers.drafts import rounds_with_tokens
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
-from speculative.events import Round, Token
+from speculative.events import Token
 
 pytestmark = pytest.mark.browser
 MAX_TOKENS = 40
@@ -38,24 +39,13 @@ def answer(page, served):
     return served.worker.call(lambda: list(generate(lm, prompt, params, spec))).result(120)
 
 
-def engine_rounds(events):
-    """(Round, its delivered tokens) pairs."""
-    out = []
-    for e in events:
-        if isinstance(e, Round):
-            out.append((e, []))
-        elif isinstance(e, Token) and out:
-            out[-1][1].append(e)
-    return out
-
-
 def rejected_ids(page, scope="#answer"):
     return [int(x) for x in page.locator(f"{scope} .tok-rejected").evaluate_all("els => els.map(e => e.dataset.id)")]
 
 
 def test_examples_turn_on_rejected_drafts_which_match_the_engines_trace(page, answer):
     assert page.locator("#show-rejected input").is_checked()  # the demo examples switch them on
-    expected = [d for r, toks in engine_rounds(answer)
+    expected = [d for r, toks in rounds_with_tokens(answer)
                 if len(toks) == r.accepted + 1 and toks[-1].provenance.value == "correction"
                 for d in r.drafts[r.accepted:]]
     assert expected, "the answer needs corrections to show rejected drafts"
@@ -91,7 +81,7 @@ def test_hover_cards_give_round_position_and_the_engines_probabilities(page, ans
 
 
 def test_replay_steps_through_every_round_of_the_answer(page, answer, shots):
-    rounds = len(engine_rounds(answer))
+    rounds = len(rounds_with_tokens(answer))
     page.locator("#replay-box").get_by_text("Replay the rounds in slow motion").click()
     page.locator("#replay-start").click()
     head = page.locator("#replay .replay-head")
