@@ -277,12 +277,9 @@ class BatchSpeculator:
     def _accept(self, logits: mx.array, drafts: mx.array, draft_probs: List) -> Tuple[mx.array, mx.array, List]:
         """Each row's accepted count and next token by its own rule and key: ([B], [B], the
         processed [k+1, V] logits per row). Greedy rows without processors share one pass."""
-        if self._all_greedy():  # greedy_accept on every row at once: its argmax, prefix and pick, batched
-            target = mx.argmax(log_softmax(logits), axis=-1)  # [B, k+1]
-            k = drafts.shape[1]
-            n_acc = mx.cumprod((drafts == target[:, :k]).astype(mx.int32), axis=1).sum(axis=1)
-            nxt = mx.take_along_axis(target, n_acc[:, None], axis=1)[:, 0].astype(drafts.dtype)
-            return n_acc, nxt, logits
+        if self._all_greedy():  # every row at once
+            n_acc, nxt = greedy_accept(drafts, log_softmax(logits))
+            return n_acc, nxt.astype(drafts.dtype), logits
         n_acc, nxt, processed = [], [], []
         for b, row in enumerate(self.rows):
             rows = row._process(logits[b], drafts[b])  # the processors the row's drafts saw

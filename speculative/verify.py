@@ -11,19 +11,20 @@ import mlx.core as mx
 
 
 def _accepted_prefix(keep: mx.array) -> mx.array:
-    """Length of the leading run of True in `keep` ([k] bool) as a scalar int32."""
-    return mx.cumprod(keep.astype(mx.int32)).sum()
+    """Length of the leading run of True along the last axis of `keep` ([..., k] bool), int32."""
+    return mx.cumprod(keep.astype(mx.int32), axis=-1).sum(axis=-1)
 
 
 def greedy_accept(draft_tokens: mx.array, target_logprobs: mx.array) -> Tuple[mx.array, mx.array]:
     """Keep drafts while they equal the trunk's argmax; return (n_accepted, next_token).
 
-    next_token is the argmax at the first mismatch (correction) or at row k (bonus).
+    next_token is the argmax at the first mismatch (correction) or at row k (bonus). Rows of a
+    batch ([B, k] drafts, [B, k+1, V] log-probabilities) are accepted each on its own.
     """
-    target_tokens = mx.argmax(target_logprobs, axis=-1)  # [k + 1]
-    k = draft_tokens.shape[0]
-    n = _accepted_prefix(draft_tokens == target_tokens[:k])
-    return n, target_tokens[n]
+    target_tokens = mx.argmax(target_logprobs, axis=-1)  # [..., k + 1]
+    k = draft_tokens.shape[-1]
+    n = _accepted_prefix(draft_tokens == target_tokens[..., :k])
+    return n, mx.take_along_axis(target_tokens, n[..., None], axis=-1)[..., 0]
 
 
 def residual(target_probs: mx.array, draft_probs: mx.array) -> mx.array:

@@ -78,3 +78,12 @@ def test_greedy_draft_one_hot_is_lossless():
     assert abs((n == 1).mean() - 0.5) < TOL
     first = np.where(n == 1, 1, nxt)
     np.testing.assert_allclose(np.bincount(first, minlength=3) / N, p[0], atol=TOL)
+
+
+def test_greedy_rows_of_a_batch_are_accepted_each_on_its_own():
+    logits = mx.array([[[0.0, 5.0, 0.0], [5.0, 0.0, 0.0], [0.0, 5.0, 0.0], [0.0, 0.0, 5.0]]] * 3)
+    drafts = mx.array([[1, 0, 1], [2, 0, 1], [1, 0, 2]])
+    n, nxt = greedy_accept(drafts, logits)
+    one = [greedy_accept(drafts[b], logits[b]) for b in range(3)]
+    assert n.tolist() == [int(a.item()) for a, _ in one] == [3, 0, 2]
+    assert nxt.tolist() == [int(t.item()) for _, t in one] == [2, 1, 1]
