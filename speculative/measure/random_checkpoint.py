@@ -24,14 +24,17 @@ from ..heads.mtp import NORM_RE, MTPHead
 
 SHARD_BYTES = 1 << 30
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Trunk norms a raw HF checkpoint stores zero-centred (mlx-lm adds 1 back); the GDN output norm is plain.
 _TRUNK_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                 ".q_norm.weight", ".k_norm.weight")
 
 
-def write_tokenizer(folder: Path) -> None:
-    """A byte-level BPE tokenizer (no merges) with Qwen-style special tokens: prompts become ids, and
-    ids beyond it are still valid model outputs (real vocabularies are padded too)."""
+def write_tokenizer(folder: Path, max_length: int = 262144) -> None:
+    """A byte-level BPE tokenizer (no merges) with Qwen-style special tokens and a chat template:
+    prompts become ids, and ids beyond it are still valid model outputs (real vocabularies are
+    padded too)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -40,11 +43,9 @@ def write_tokenizer(folder: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
     tok.save(str(folder / "tokenizer.json"))
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "chat_template": template, "model_max_length": 262144}, indent=1))
+        "chat_template": CHAT_TEMPLATE, "model_max_length": max_length}, indent=1))
 
 
 def hf_tensors(text_config: dict) -> List[Tuple[str, tuple, Optional[mx.array]]]:
@@ -125,7 +126,7 @@ def quantize(source: Path, folder: Path, bits: int, group_size: int = 64) -> Tup
 
     from ..heads.mtp import read_checkpoint_head, write_head_folder
 
-    model = folder / f"q{bits}"
+    model = folder / f"q{bits}g{group_size}"
     convert(hf_path=str(source), mlx_path=str(model), quantize=True, q_group_size=group_size, q_bits=bits)
     config = json.loads((source / "config.json").read_text())
     head = write_head_folder(folder / "head", read_checkpoint_head(source), config.get("text_config", config))

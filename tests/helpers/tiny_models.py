@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5
 
 from speculative.heads.mtp import MTPHead, NORM_RE
+from speculative.measure import random_checkpoint
 
 # Configs that vary what the engine must get right: tying, GQA ratio, GDN head ratio, wrapper.
 # Seeds are ones whose greedy text runs 200 tokens without hitting EOS.
@@ -28,11 +29,6 @@ CONFIGS = {
 
 
 VOCAB = 320  # 256 byte tokens + specials, padded like real vocabularies
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 _TRUNK_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                 ".q_norm.weight", ".k_norm.weight")
 
@@ -70,20 +66,8 @@ def _randomize_norms(params: dict, key) -> dict:
 
 
 def write_tokenizer(folder: Path) -> None:
-    """A byte-level BPE tokenizer (no merges) with Qwen-style special tokens and chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "chat_template": CHAT_TEMPLATE, "model_max_length": 4096,
-    }, indent=1))
+    """The random checkpoints' tokenizer (byte-level BPE, Qwen-style specials, a chat template)."""
+    random_checkpoint.write_tokenizer(folder, max_length=4096)
 
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -175,16 +159,7 @@ def quantized(source, folder, group_size: int = 32, bits: int = 4):
     group_size must divide the tiny dims (64, 128); scales keep the source dtype, so a bf16
     source gives bf16 logits, as community quantizations do.
     """
-    from mlx_lm import convert
-
-    from speculative.heads.mtp import read_checkpoint_head, write_head_folder
-
-    source, folder = Path(source), Path(folder)
-    model = folder / f"q{bits}g{group_size}"
-    convert(hf_path=str(source), mlx_path=str(model), quantize=True, q_group_size=group_size, q_bits=bits)
-    config = json.loads((source / "config.json").read_text())
-    head = write_head_folder(folder / "head", read_checkpoint_head(source), config.get("text_config", config))
-    return model, head
+    return random_checkpoint.quantize(Path(source), Path(folder), bits, group_size)
 
 
 def with_chat_template(model: Path, folder: Path, template: str) -> Path:
