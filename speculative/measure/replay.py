@@ -15,13 +15,14 @@ import mlx.core as mx
 
 from ..engine import Speculator
 from ..errors import DynoError
+from .tuning import PRIOR_DECAY, PRIOR_FIRST
 
 # Acceptance by draft position (GenerationStats' acceptance_by_position at depth 3).
 PROFILES: Dict[str, Tuple[float, ...]] = {
     # Qwen3.8-27B's head on code, greedy, published (tuning.py's prior cites it too).
     "27b-code": (0.93, 0.86, 0.75),
-    # No published chat profile was at hand: Dyno's own prior (tuning.PRIOR_FIRST 0.8, decay 0.75).
-    "chat": (0.80, 0.60, 0.45),
+    # No published chat profile was at hand: Dyno's own prior (0.8, 0.6, 0.45).
+    "chat": tuple(round(PRIOR_FIRST * PRIOR_DECAY**i, 4) for i in range(3)),
     # The bundled dyno-tiny on the code suite, greedy, depth 3 (docs/performance.md).
     "dyno-tiny": (0.78, 0.57, 0.43),
 }
