@@ -10,6 +10,11 @@ to the softmax denominator), and its GDN state is taken from its own position on
 
 Depth 0 is a plain batched round: the trunk alone over each row's pending token, no Round event
 (a round that drafts nothing is not a drafting round), the head's rows deferred until drafting resumes.
+Each round queues the next one's first work before it hands its tokens out, so the device computes
+while the host works: a plain round the next plain pass (as mlx-lm's BatchGenerator does), a drafting
+round the next round's drafts at its own depth (as the single-row Speculator does). A join, a leave or
+a round at another depth first takes that work back (the caches rewound, the RNG keys restored), so
+it never changes a token.
 """
 
 from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -89,6 +94,20 @@ def trim_rows(cache: BatchKVCache, fed: int, kept: List[int]) -> None:
         cache.left_padding = cache.left_padding - shared
 
 
+def snapshot(caches: List) -> list:
+    """What `restore` needs to rewind `caches` past later appends: a batch KV cache's write index and
+    offsets (the slots past them are overwritten later), an ArraysCache's arrays (never mutated)."""
+    return [(c._idx, c.offset + 0) if isinstance(c, BatchKVCache) else list(c.cache) for c in caches]
+
+
+def restore(caches: List, snap: list) -> None:
+    for c, s in zip(caches, snap):
+        if isinstance(c, BatchKVCache):
+            c._idx, c.offset = s[0], s[1] + 0
+        else:
+            c.cache = list(s)
+
+
 def commit_rows(tape: GDNTape, consumed: List[int]) -> None:
     """GDNTape.commit per row: row i's conv window and state after its first consumed[i] tokens."""
     if len(set(consumed)) == 1:
@@ -128,6 +147,28 @@ class RowEvents(NamedTuple):
     finish: Optional[str] = None  # "stop" (EOS) or "length" (max_tokens)
 
 
+class PlainPass(NamedTuple):
+    """A depth-0 pass, queued: each row's next token, the trunk hiddens the head owes rows for, the
+    processed logits, and what rewinds it (the trunk caches before it, the rows' RNG keys)."""
+
+    nxt: mx.array  # [B]
+    hidden: mx.array  # [B, 1, H]
+    processed: object  # [B, 1, V] logits, or per row [1, V]
+    caches: list
+    keys: List[mx.array]
+
+
+class QueuedDrafts(NamedTuple):
+    """The next drafting round's drafts, queued: the depth they were drafted at, ([B, k] tokens, per
+    row [k, V] draft probs or None), and what takes them back (the head caches' size before the
+    draft recursion, the rows' RNG keys)."""
+
+    depth: int
+    drafts: Tuple[mx.array, List]
+    head_start: int
+    keys: List[mx.array]
+
+
 class BatchSpeculator:
     """Rows of speculative generation drafted and verified together; rows join and leave between rounds.
 
@@ -153,6 +194,8 @@ class BatchSpeculator:
         # Head rows owed by depth-0 rounds, run in one pass when drafting resumes (or a row joins):
         # per round ([B, 1] tokens, [B, 1, H] trunk hiddens), row b's pair = (token after position p, h_p).
         self.backlog: List[Tuple[mx.array, mx.array]] = []
+        self.ahead: Optional[PlainPass] = None  # the next plain round's pass, queued by this one
+        self.queued: Optional[QueuedDrafts] = None  # the next drafting round's drafts, queued by this one
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -174,6 +217,7 @@ class BatchSpeculator:
         out = RowEvents([Token(row.generated[0], Provenance.PLAIN, row.scores[0])], self._finish(row, 1))
         if out.finish is not None:
             return out
+        self._take_back()
         self._catch_up_head()  # the rows already here owe head rows; the joiner owes none
         trunk, head = as_batch(row.trunk_cache), as_batch(row.head_cache)
         row.trunk_cache = row.head_cache = None  # the batch owns them now
@@ -196,6 +240,7 @@ class BatchSpeculator:
     def _keep(self, indices: List[int]) -> None:
         if len(indices) == len(self.ids):
             return
+        self._take_back()
         self.ids = [self.ids[b] for b in indices]
         self.rows = [self.rows[b] for b in indices]
         if not indices:
@@ -220,9 +265,10 @@ class BatchSpeculator:
         """True when every row is greedy without logits processors: its pick is the argmax alone."""
         return all(r.params.greedy and not r.processors for r in self.rows)
 
-    def _plain_round(self) -> Dict[Hashable, RowEvents]:
-        """Depth 0: the trunk alone over each row's pending token (mlx-lm's own forward), each row's
-        token picked by its own rule and key; the head's row is owed, not run."""
+    def _plain_pass(self) -> PlainPass:
+        """Queue depth 0's pass: the trunk over each row's pending token (mlx-lm's own forward), each
+        row's token picked by its own rule and key. Nothing is evaluated."""
+        caches, keys = snapshot(self.trunk_cache), [r.key for r in self.rows]
         hidden = self.target.hidden(self.pending[:, None], self.trunk_cache)  # [B, 1, H]
         logits = self.target.lm_head(hidden)
         if self._all_greedy():  # one argmax for every row
@@ -234,12 +280,50 @@ class BatchSpeculator:
                 nxt.append(row._pick_target(rows)[0].astype(self.pending.dtype))  # argmax, or a draw with the row's key
                 processed.append(rows)
             nxt = mx.stack(nxt)
-        self.backlog.append((nxt[:, None], hidden))
+        return PlainPass(nxt, hidden, processed, caches, keys)
+
+    def _take_back(self) -> None:
+        """Undo the work queued for the next round, if any: a plain pass (the trunk caches rewound) or
+        drafts (the head caches cut back); the RNG keys as they were before it."""
+        if self.ahead is not None:
+            restore(self.trunk_cache, self.ahead.caches)
+            keys, self.ahead = self.ahead.keys, None
+        elif self.queued is not None:
+            for c in self.head_cache:
+                c.trim(c.size() - self.queued.head_start)
+            keys, self.queued = self.queued.keys, None
+        else:
+            return
+        for row, key in zip(self.rows, keys):
+            row.key = key
+
+    def _queue_drafts(self, k: int) -> QueuedDrafts:
+        """Draft the next round at depth k and start computing the drafts."""
+        start, keys = self.head_cache[0].size(), [r.key for r in self.rows]
+        drafts = self.draft(k)
+        mx.async_eval(drafts[0])
+        return QueuedDrafts(k, drafts, start, keys)
+
+    def _may_look_ahead(self) -> bool:
+        """The next plain pass can be queued now: no row's processors wait for this round's token, and
+        no row ends at it by its length (its next token would be wasted)."""
+        return all(not r.processors and len(r.generated) + 1 < r.params.max_tokens for r in self.rows)
+
+    def _plain_round(self) -> Dict[Hashable, RowEvents]:
+        """Depth 0: this round's pass (queued by the last plain round, or now), the next one queued
+        behind it, then the one host sync; the head's rows are owed, not run."""
+        if self.queued is not None:
+            self._take_back()
+        now, self.ahead = self.ahead or self._plain_pass(), None
+        self.pending = now.nxt
+        self.backlog.append((now.nxt[:, None], now.hidden))
         if len(self.backlog) >= HEAD_BACKLOG:
             self._catch_up_head()
-        mx.eval(nxt)  # the round's one host sync
-        self.pending = nxt
-        return self._emit(0, [1] * len(self.rows), [[] for _ in self.rows], nxt.tolist(), processed)
+        if self._may_look_ahead():
+            self.ahead = self._plain_pass()
+            mx.async_eval(self.ahead.nxt)
+        mx.eval(now.nxt)  # the round's one host sync
+        return self._emit(0, [1] * len(self.rows), [[] for _ in self.rows], now.nxt.tolist(), now.processed)
 
     def step(self, depth: int) -> Dict[Hashable, RowEvents]:
         """One round for every row at draft depth `depth`: draft, verify, accept and roll back per row.
@@ -250,10 +334,13 @@ class BatchSpeculator:
             return {}
         if depth == 0:
             return self._plain_round()
-        self._catch_up_head()
         k, B = depth, len(self.ids)
-        head_start = self.head_cache[0].size()
-        drafts, draft_probs = self.draft(k)  # [B, k], per row [k, V] or None
+        if self.queued is None or self.queued.depth != k:
+            self._take_back()
+            self._catch_up_head()
+            self.queued = self._queue_drafts(k)
+        (drafts, draft_probs), head_start = self.queued.drafts, self.queued.head_start  # [B, k], per row [k, V] or None
+        self.queued = None
         logits, hidden, tapes = self.target.verify(
             mx.concatenate([self.pending[:, None], drafts], axis=1), self.trunk_cache)
         mx.async_eval(logits, hidden)
@@ -272,7 +359,10 @@ class BatchSpeculator:
         rollback_rows(self.head_cache, [], k + 1, kept)
         self.head_hidden = head_rows[mx.arange(B), n_acc][:, None]
         self.pending = nxt
-        return self._emit(k, kept, drafts.tolist(), nxt.tolist(), processed)
+        out = self._emit(k, kept, drafts.tolist(), nxt.tolist(), processed)
+        if self.ids:  # the rows that go on: their next drafts compute while the host hands these tokens out
+            self.queued = self._queue_drafts(k)
+        return out
 
     def _accept(self, logits: mx.array, drafts: mx.array, draft_probs: List) -> Tuple[mx.array, mx.array, List]:
         """Each row's accepted count and next token by its own rule and key: ([B], [B], the

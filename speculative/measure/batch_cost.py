@@ -21,9 +21,8 @@ from collections import deque
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
 
-from ..batched import BatchSpeculator
+from ..batched import BatchSpeculator, restore, snapshot
 from ..config import SamplingParams
 from ..draft_vocab.head import greedy_token
 from ..errors import DynoError
@@ -241,19 +240,6 @@ class DepthPolicy:
 
 # ---- measuring on this model and machine ----
 
-def _snapshot(caches: List) -> list:
-    """What `_restore` needs: a batch KV cache's write index and offsets, an ArraysCache's arrays."""
-    return [(c._idx, c.offset + 0) if isinstance(c, BatchKVCache) else list(c.cache) for c in caches]
-
-
-def _restore(caches: List, snap: list) -> None:
-    for c, s in zip(caches, snap):
-        if isinstance(c, BatchKVCache):
-            c._idx, c.offset = s[0], s[1] + 0
-        else:
-            c.cache = list(s)
-
-
 def measure_batch_costs(lm: LoadedModel, prompt: Sequence[int], widths: Sequence[int] = WIDTHS,
                         max_depth: int = MAX_DEPTH, reps: int = 5, burst: int = 1,
                         draft_vocab: Optional[int] = None) -> BatchCosts:
@@ -326,12 +312,12 @@ def _running_max(table: Dict[int, Dict[int, float]]) -> Dict[int, Dict[int, floa
 def _builders(batch: BatchSpeculator, width: int, max_depth: int) -> dict:
     target, head = batch.target, batch.head
     trunk, heads = batch.trunk_cache, batch.head_cache
-    trunk_snap, head_snap = _snapshot(trunk), _snapshot(heads)
+    trunk_snap, head_snap = snapshot(trunk), snapshot(heads)
     pending, g = batch.pending[:, None], batch.head_hidden
 
     def plain():  # a depth-0 round: mlx-lm's forward over one token per row
         out = mx.argmax(target.lm_head(target.hidden(pending, trunk)), axis=-1)
-        _restore(trunk, trunk_snap)
+        restore(trunk, trunk_snap)
         return out
 
     def verify(t):
@@ -339,15 +325,15 @@ def _builders(batch: BatchSpeculator, width: int, max_depth: int) -> dict:
             tokens = mx.repeat(pending, t, axis=1)
             logits, hidden, tapes = target.verify(tokens, trunk)
             rows = head(target.embed(tokens), hidden, heads)
-            _restore(trunk, trunk_snap)
-            _restore(heads, head_snap)
+            restore(trunk, trunk_snap)
+            restore(heads, head_snap)
             return [mx.argmax(logits, axis=-1), rows] + [tp.states[-1] if tp.states else tp.conv_input for tp in tapes]
         return build
 
     def draft():  # one draft step: the pick and the head's next row
         d = greedy_token(batch.draft_lm_head, g[:, -1])
         out = head(target.embed(d[:, None]), g, heads)
-        _restore(heads, head_snap)
+        restore(heads, head_snap)
         return out
 
     out = {("V", width, 1): plain, ("D", width): draft}

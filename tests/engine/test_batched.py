@@ -290,3 +290,35 @@ def test_a_seeded_row_draws_the_same_alone_and_beside_others_at_depth_zero(bundl
              ("t", lm.tokenizer.encode(PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=50))]
     beside, _ = drive_schedule(BatchSpeculator(lm), [0, 2], {0: [("s", prompt, SAMPLED)] + other})
     assert tokens(alone["s"]) == tokens(beside["s"]) and len(tokens(alone["s"])) == SAMPLED.max_tokens
+
+
+def test_the_plain_pass_queued_ahead_is_taken_back_exactly(bundled):
+    """A plain round queues the next plain pass before its own sync; a join, a leave, a row ending
+    and a drafting round each take it back (caches rewound, RNG keys restored). So at depth 0 beside
+    rows that come and go, a seeded row draws what it draws alone and greedy rows stay plain greedy."""
+    lm = bundled("dyno-tiny")
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+    depths = [0] * 9 + [2] + [0] * 100
+    alone, _ = drive_schedule(BatchSpeculator(lm), depths, {0: [("s", prompts[0], SAMPLED)]})
+    batch, got = BatchSpeculator(lm), {}
+    schedule = {0: [("s", prompts[0], SAMPLED), ("a", prompts[1], SamplingParams(max_tokens=12))],
+                3: [("b", prompts[2], SamplingParams(max_tokens=30))],
+                6: [("c", prompts[3], SamplingParams(max_tokens=30))]}
+    taken_back = 0
+    for r, depth in enumerate(depths):
+        for row_id, prompt, params in schedule.get(r, []):
+            taken_back += batch.ahead is not None
+            got[row_id] = tokens(batch.join(row_id, prompt, params).events)
+        if r == 14:
+            taken_back += batch.ahead is not None
+            batch.leave("c")  # a cancel, between rounds
+        taken_back += depth > 0 and batch.ahead is not None
+        for row_id, out in batch.step(depth).items():
+            got[row_id] += tokens(out.events)
+        if not batch:
+            break
+    assert taken_back >= 4  # the joins at rounds 3 and 6, the drafting round, the leave
+    assert got["s"] == tokens(alone["s"]) and len(got["s"]) == SAMPLED.max_tokens
+    assert got["a"] == plain_greedy(lm, prompts[1], 12)
+    assert got["b"] == plain_greedy(lm, prompts[2], 30)
+    assert got["c"] == plain_greedy(lm, prompts[3], 30)[: len(got["c"])] and len(got["c"]) < 30
