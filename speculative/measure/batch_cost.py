@@ -48,6 +48,12 @@ WINDOW = 9
 # (deeper and shallower in turn); the second of them is timed.
 EXPLORE_EVERY = 24
 EXPLORE_RUN = 2
+# A neighbour whose timed rounds put it below FAR of the best depth's rate is timed only every
+# FAR_SPACING-th such turn (one never timed always is: the tuned costs can be wrong): each of its rounds costs what it is estimated to lose, and a switch costs more (the queued
+# work taken back, the head's owed rows). Its estimate still follows acceptance and the machine's
+# speed in between, and comes back within FAR when those make it competitive.
+FAR = 0.8
+FAR_SPACING = 8
 
 
 def interpolate(table: Dict[int, float], width: int) -> float:
@@ -173,6 +179,7 @@ class DepthPolicy:
         self.chosen: Dict[int, Dict[int, int]] = {}  # width -> depth -> rounds: what was picked over time
         self.clock = RoundClock(costs) if costs is not None else None
         self.rounds: Dict[int, int] = {}  # width -> rounds chosen at it (the exploration schedule)
+        self.exploring: Dict[int, Optional[int]] = {}  # width -> the neighbour this turn times, if any
 
     @property
     def deepest(self) -> int:
@@ -195,13 +202,29 @@ class DepthPolicy:
         else:
             k = self.best_depth(width)
             n = self.rounds[width] = self.rounds.get(width, 0) + 1
-            if n % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_RUN:  # time a neighbour, deeper and shallower in turn
-                step = 1 if (n // EXPLORE_EVERY) % 2 else -1
-                if not 0 <= k + step <= self.deepest:
-                    step = -step
-                k = k + step if 0 <= k + step <= self.deepest else k
+            turn, phase = divmod(n, EXPLORE_EVERY)
+            if phase == EXPLORE_EVERY - EXPLORE_RUN:  # a turn starts: which neighbour, if any
+                self.exploring[width] = self._neighbour(width, k, turn)
+            if phase >= EXPLORE_EVERY - EXPLORE_RUN and self.exploring.get(width) is not None:
+                k = self.exploring[width]
         counts = self.chosen.setdefault(width, {})
         counts[k] = counts.get(k, 0) + 1
+        return k
+
+    def _neighbour(self, width: int, best: int, turn: int) -> Optional[int]:
+        """The depth to time on exploration turn `turn`: deeper and shallower than `best` in turn; none
+        when the neighbour's timed rounds put it far below `best`, but on every FAR_SPACING-th turn."""
+        step = 1 if turn % 2 else -1
+        if not 0 <= best + step <= self.deepest:
+            step = -step
+        k = best + step
+        if not 0 <= k <= self.deepest:
+            return None
+        if (width, k) not in self.clock.times:  # estimated from the tuned costs only: time it
+            return k
+        rates = self.expected_rates(width)
+        if rates[k] < FAR * rates[best] and (turn // 2) % FAR_SPACING:
+            return None
         return k
 
     def best_depth(self, width: int) -> int:

@@ -190,6 +190,29 @@ def test_exploring_neighbours_finds_the_depth_the_tuned_costs_missed():
     assert sorted(set(last)) == [0, 1, 2]
 
 
+def test_a_neighbour_far_below_the_best_is_timed_rarely():
+    """At 8 rows depth 1 delivers 1.9 / 3 s against depth 0's 1 / 1 s (0.63 of it): past the first two
+    turns it is timed on every FAR_SPACING-th turn of its own, not every other one; and once
+    acceptance makes it competitive, it is timed on every turn again."""
+    policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=1)
+    true_seconds = {0: 1.0, 1: 3.0}
+    picked = []
+    for _ in range(20 * batch_cost.EXPLORE_EVERY):
+        k = policy.depth_for(8)
+        policy.record(8, k, true_seconds[k])
+        picked.append(k)
+    assert policy.best_depth(8) == 0
+    turns = [n // batch_cost.EXPLORE_EVERY for n, k in enumerate(picked, 1) if k == 1]
+    assert sorted(set(turns)) == [0, 1, 2 * batch_cost.FAR_SPACING, 2 * batch_cost.FAR_SPACING + 1]
+    assert len(turns) == 4 * batch_cost.EXPLORE_RUN
+    true_seconds[1] = 1.7  # 1.9 / 1.7: now depth 1 is best, and depth 0 within FAR of it
+    policy.record(8, 1, 1.7)
+    for _ in range(batch_cost.WINDOW):
+        policy.record(8, 1, 1.7)
+    picked = [policy.depth_for(8) for _ in range(4 * batch_cost.EXPLORE_EVERY)]
+    assert policy.best_depth(8) == 1 and picked.count(0) == 4 * batch_cost.EXPLORE_RUN
+
+
 def test_a_pinned_policy_ignores_round_times():
     policy = DepthPolicy(None, [], pinned=2)
     policy.record(1, 2, 100.0)
