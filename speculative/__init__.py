@@ -36,6 +36,7 @@ def load_model(path, mode: str = "auto", draft_depth="auto", draft_vocab="auto",
     collectives on one rank alone), and each rank's engine resolves the draft vocabulary alike.
     """
     # Imported here: they pull in MLX and mlx-lm, which settings and errors alone do not need.
+    from .attention_kernels import depth_notice
     from .config import DEFAULT_DRAFT_DEPTH
     from .draft_vocab.head import resolve
     from .loader import load_checkpoint as load
@@ -44,11 +45,15 @@ def load_model(path, mode: str = "auto", draft_depth="auto", draft_vocab="auto",
     if split is not None:
         lm = split.load(path, mode=mode, notify=notify, **load_kw)
         depth = draft_depth if draft_depth != "auto" else (stored(lm) or {}).get("depth", DEFAULT_DRAFT_DEPTH)
-        return lm, SpecConfig(mode, int(depth), draft_vocab)
-    lm = load(path, mode=mode, notify=notify, **load_kw)
-    vocab = resolve(lm, draft_vocab, notify)
-    depth = resolve_depth(lm, draft_depth, vocab) if lm.head is not None else DEFAULT_DRAFT_DEPTH
-    return lm, SpecConfig(mode, depth, vocab)
+        vocab = draft_vocab
+    else:
+        lm = load(path, mode=mode, notify=notify, **load_kw)
+        vocab = resolve(lm, draft_vocab, notify)
+        depth = resolve_depth(lm, draft_depth, vocab) if lm.head is not None else DEFAULT_DRAFT_DEPTH
+    notice = depth_notice(lm.text_config, int(depth)) if lm.head is not None and mode != "off" else None
+    if notice is not None and notify is not None:
+        notify(f"warning: {notice}")
+    return lm, SpecConfig(mode, int(depth), vocab)
 
 
 def __getattr__(name):

@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, dynamic_roll
 from mlx_lm.models.gated_delta import gated_delta_update
 
-from .rollback import GDNTape
+from .rollback import GDNTape, restore, snapshot
 from .config import SamplingParams
 from .draft_vocab.head import draft_lm_head, greedy_token
 from .engine import PREFILL_STEP, Speculator
@@ -92,20 +92,6 @@ def trim_rows(cache: BatchKVCache, fed: int, kept: List[int]) -> None:
         cache.keys, cache.values = cache.keys[..., shared:, :], cache.values[..., shared:, :]
         cache._idx -= shared
         cache.left_padding = cache.left_padding - shared
-
-
-def snapshot(caches: List) -> list:
-    """What `restore` needs to rewind `caches` past later appends: a batch KV cache's write index and
-    offsets (the slots past them are overwritten later), an ArraysCache's arrays (never mutated)."""
-    return [(c._idx, c.offset + 0) if isinstance(c, BatchKVCache) else list(c.cache) for c in caches]
-
-
-def restore(caches: List, snap: list) -> None:
-    for c, s in zip(caches, snap):
-        if isinstance(c, BatchKVCache):
-            c._idx, c.offset = s[0], s[1] + 0
-        else:
-            c.cache = list(s)
 
 
 def commit_rows(tape: GDNTape, consumed: List[int]) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.models.gated_delta import gated_delta_update
 
 
@@ -57,16 +58,18 @@ class GDNTape:
 
 
 def snapshot(cache: List[Any]) -> list:
-    """What `restore` needs to rewind `cache` to now: offsets of attention caches, references to
-    the GDN arrays (MLX arrays are immutable, so references are a copy)."""
-    return [(c.offset,) if hasattr(c, "offset") else (c[0], c[1]) for c in cache]
+    """What `restore` needs to rewind `cache` to now: the write index of attention caches (a batch
+    cache's offsets are per row, its index is shared), references to the GDN arrays (MLX arrays are
+    immutable, so references are a copy)."""
+    return [(c._idx if isinstance(c, BatchKVCache) else c.offset,) if hasattr(c, "offset") else (c[0], c[1])
+            for c in cache]
 
 
 def restore(cache: List[Any], snap: list) -> None:
     """Rewind `cache` to the `snapshot` taken from it (attention caches only ever grew since)."""
     for c, s in zip(cache, snap):
         if hasattr(c, "offset"):
-            c.trim(c.offset - s[0])
+            c.trim((c._idx if isinstance(c, BatchKVCache) else c.offset) - s[0])
         else:
             c[0], c[1] = s
 

@@ -17,6 +17,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 
+from speculative.attention_kernels import deepest_vector_depth, on_metal  # noqa: E402
 from speculative.config import MAX_DRAFT_DEPTH  # noqa: E402
 from speculative.errors import DynoError  # noqa: E402
 
@@ -43,6 +44,15 @@ BUNDLED_NOTE = ("The bundled model, dyno-tiny (5M parameters, trained on the Pyt
                 "Python code; it is no assistant, so try the examples under the chat box. Real Qwen3.5 / 3.6 / 3.8 "
                 "models load from the Models tab.")
 
+
+def depth_info(lm, metal: Optional[bool] = None) -> Optional[str]:
+    """On Metal, where deeper drafts leave the vector attention kernel for the loaded model; else None."""
+    if lm is None or lm.head is None or not (on_metal() if metal is None else metal):
+        return None
+    deepest = deepest_vector_depth(lm.text_config)
+    if deepest >= MAX_DRAFT_DEPTH:
+        return None
+    return f"above {deepest}, a verify leaves Metal's vector attention kernel for this model (docs/performance.md)"
 
 def theme() -> gr.themes.Base:
     """Gradio's default theme in Dyno's colours, with system fonts (nothing fetched from the web)."""
@@ -167,7 +177,7 @@ def _chat_tab(s: Sessions, d) -> dict:
             thinking = gr.Checkbox(label="Thinking (for templates that support it)", value=False)
             mode = gr.Radio(["auto", "mtp", "off"], value="auto", label="Speculative decoding", elem_id="mode")
             depth = gr.Slider(1, MAX_DRAFT_DEPTH, value=s.served.worker.spec.draft_depth, step=1,
-                              label="draft depth", elem_id="depth")
+                              label="draft depth", info=depth_info(s.served.worker.lm), elem_id="depth")
             show_rejected = gr.Checkbox(label="show rejected drafts (struck through before their correction)",
                                         value=False, elem_id="show-rejected")
             details = gr.Checkbox(label="details: p, q and acceptance chance of each draft on hover (costs one "
@@ -320,7 +330,8 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
                             value=EXAMPLES[0])
         with gr.Column(scale=1, min_width=200):
             depth = gr.Slider(1, MAX_DRAFT_DEPTH, value=s.served.worker.spec.draft_depth, step=1,
-                              label="draft depth (starts at auto's choice)", elem_id="compare-depth")
+                              label="draft depth (starts at auto's choice)", info=depth_info(s.served.worker.lm),
+                              elem_id="compare-depth")
             repeats = gr.Slider(1, MAX_REPEATS, value=3, step=1, label="runs (median speedup)",
                                 elem_id="compare-repeats")
             go = gr.Button("Race", variant="primary", elem_id="compare-run")

@@ -22,12 +22,13 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..batched import BatchSpeculator, restore, snapshot
+from ..batched import BatchSpeculator
 from ..config import SamplingParams
 from ..draft_vocab.head import greedy_token
 from ..errors import DynoError
 from ..events import Round
 from ..loader import LoadedModel
+from ..rollback import restore, snapshot
 from .cost_model import interleaved, queued
 from .tuning import ESTIMATE_PROMPT, PRIOR_DECAY, PRIOR_FIRST, resolve_depth, store, stored
 

@@ -9,6 +9,7 @@ run must reproduce the reference tokens (asserted). Tools print; this returns a 
 import random
 from typing import Dict, List, Optional, Sequence
 
+from ..attention_kernels import deepest_vector_depth, metal_attention_kernel  # noqa: F401 (the bench's)
 from ..config import SamplingParams, SpecConfig
 from ..draft_vocab.head import AUTO_MIN_SHARE, AUTO_STEP, DraftLMHead, lm_head_module, ranked_ids
 from ..loader import LoadedModel
@@ -16,28 +17,6 @@ from ..stats import GenerationStats
 from .bench import run_dyno, run_mlx_lm, summarize
 from .cost_model import cost_model, speedup_bound
 from .replay import replayed_runner
-
-# MLX's Metal attention dispatch (mlx/backend/metal/scaled_dot_product_attention.cpp, has_fused_kernel
-# and use_fallback, read at ml-explore/mlx commit 00703ea): up to 8 query rows take the fused vector
-# kernel when the head dim is one it has and rows x GQA factor <= 32; more rows at head dim 256 take
-# the unfused ops. MLX's CPU backend always takes the unfused ops.
-VECTOR_MAX_ROWS, VECTOR_MAX_ROWS_X_GQA = 8, 32
-VECTOR_HEAD_DIMS = (64, 96, 128, 192, 256, 512)
-
-
-def metal_attention_kernel(text_config: dict, rows: int) -> str:
-    """Which attention path a `rows`-query pass (a verify of rows - 1 drafts) takes on Metal."""
-    gqa = text_config["num_attention_heads"] // text_config["num_key_value_heads"]
-    d = text_config["head_dim"]
-    if rows <= VECTOR_MAX_ROWS and d in VECTOR_HEAD_DIMS and rows * gqa <= VECTOR_MAX_ROWS_X_GQA:
-        return "vector"
-    return "unfused"
-
-
-def deepest_vector_depth(text_config: dict) -> int:
-    """The deepest draft depth whose verify (depth + 1 rows) keeps Metal's vector kernel."""
-    return max((k for k in range(0, VECTOR_MAX_ROWS) if metal_attention_kernel(text_config, k + 1) == "vector"), default=0)
-
 
 def draft_vocab_floor(vocab: int) -> int:
     """auto's smallest draft vocabulary (draft_vocab.head: 1/8 of the rows, in steps of 256)."""

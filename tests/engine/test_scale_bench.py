@@ -1,22 +1,11 @@
-"""The scale benchmark's pieces: Metal's attention dispatch rule, the draft vocabulary floor, one context."""
+"""The scale benchmark's pieces: the draft vocabulary floor, one context."""
 
 import pytest
 
 from speculative.loader import load_checkpoint
 from speculative.measure import shapes
 from speculative.measure.random_checkpoint import scaled_down, write_checkpoint
-from speculative.measure.scale import (deepest_vector_depth, draft_vocab_floor, measure_context,
-                                       metal_attention_kernel, random_prompt)
-
-
-def test_metal_vector_kernel_depth_follows_rows_and_gqa():
-    # rows x GQA factor <= 32 and rows <= 8: the 27B (24/4 heads) keeps the vector kernel to depth 4,
-    # the 35B-A3B (16/2) to depth 3, the 0.8B (8/2) to depth 7.
-    assert deepest_vector_depth(shapes.load("qwen3.6-27b")["text_config"]) == 4
-    assert deepest_vector_depth(shapes.load("qwen3.6-35b-a3b")["text_config"]) == 3
-    c = shapes.load("qwen3.5-0.8b")["text_config"]
-    assert deepest_vector_depth(c) == 7
-    assert metal_attention_kernel(c, 8) == "vector" and metal_attention_kernel(c, 9) == "unfused"
+from speculative.measure.scale import draft_vocab_floor, measure_context, random_prompt
 
 
 def test_draft_vocab_floor_is_autos():
