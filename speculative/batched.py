@@ -11,10 +11,10 @@ to the softmax denominator), and its GDN state is taken from its own position on
 Depth 0 is a plain batched round: the trunk alone over each row's pending token, no Round event
 (a round that drafts nothing is not a drafting round), the head's rows deferred until drafting resumes.
 Each round queues the next one's first work before it hands its tokens out, so the device computes
-while the host works: a plain round the next plain pass (as mlx-lm's BatchGenerator does), a drafting
-round the next round's drafts at its own depth (as the single-row Speculator does). A join, a leave or
-a round at another depth first takes that work back (the caches rewound, the RNG keys restored), so
-it never changes a token.
+while the host works: for a plain round next, its pass (as mlx-lm's BatchGenerator does), for a
+drafting round next, its drafts (as the single-row Speculator does), at the depth the caller says
+comes next. A join, a leave or a round at another depth first takes that work back (the caches
+rewound, the RNG keys restored), so it never changes a token.
 """
 
 from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -290,36 +290,52 @@ class BatchSpeculator:
         mx.async_eval(drafts[0])
         return QueuedDrafts(k, drafts, start, keys)
 
-    def _may_look_ahead(self) -> bool:
-        """The next plain pass can be queued now: no row's processors wait for this round's token, and
-        no row ends at it by its length (its next token would be wasted)."""
-        return all(not r.processors and len(r.generated) + 1 < r.params.max_tokens for r in self.rows)
+    def _may_look_ahead(self, coming: int) -> bool:
+        """The next plain pass can be queued now: no row's processors wait for tokens not yet emitted,
+        and no row ends by its length within the `coming` tokens not yet emitted (its next would be wasted)."""
+        return all(not r.processors and len(r.generated) + coming < r.params.max_tokens for r in self.rows)
 
-    def _plain_round(self) -> Dict[Hashable, RowEvents]:
-        """Depth 0: this round's pass (queued by the last plain round, or now), the next one queued
-        behind it, then the one host sync; the head's rows are owed, not run."""
-        if self.queued is not None:
+    def _queue_next(self, then: int) -> None:
+        """After a round's tokens are emitted: queue the first work of the next round, at depth `then`."""
+        if not self.ids:
+            return
+        if then > 0:
+            self._catch_up_head()
+            self.queued = self._queue_drafts(then)
+        elif self._may_look_ahead(0):
+            self.ahead = self._plain_pass()
+            mx.async_eval(self.ahead.nxt)
+
+    def _plain_round(self, then: int) -> Dict[Hashable, RowEvents]:
+        """Depth 0: this round's pass (queued by the last round, or now), and with a plain round next,
+        its pass queued behind this one before the one host sync; the head's rows are owed, not run."""
+        if self.ahead is None:
             self._take_back()
         now, self.ahead = self.ahead or self._plain_pass(), None
         self.pending = now.nxt
         self.backlog.append((now.nxt[:, None], now.hidden))
         if len(self.backlog) >= HEAD_BACKLOG:
             self._catch_up_head()
-        if self._may_look_ahead():
+        if then == 0 and self._may_look_ahead(1):
             self.ahead = self._plain_pass()
             mx.async_eval(self.ahead.nxt)
         mx.eval(now.nxt)  # the round's one host sync
-        return self._emit(0, [1] * len(self.rows), [[] for _ in self.rows], now.nxt.tolist(), now.processed)
+        out = self._emit(0, [1] * len(self.rows), [[] for _ in self.rows], now.nxt.tolist(), now.processed)
+        if then > 0:  # drafts follow the emitted tokens (a row's processors read them)
+            self._queue_next(then)
+        return out
 
-    def step(self, depth: int) -> Dict[Hashable, RowEvents]:
-        """One round for every row at draft depth `depth`: draft, verify, accept and roll back per row.
+    def step(self, depth: int, then: Optional[int] = None) -> Dict[Hashable, RowEvents]:
+        """One round for every row at draft depth `depth`: draft, verify, accept and roll back per row;
+        then the next round's first work is queued at depth `then` (default: `depth` again).
 
         Returns each row's Round and tokens; rows that reached EOS or max_tokens have left.
         Depth 0 is a plain round: each row's next token, no Round event."""
         if not self.ids:
             return {}
+        then = depth if then is None else then
         if depth == 0:
-            return self._plain_round()
+            return self._plain_round(then)
         k, B = depth, len(self.ids)
         if self.queued is None or self.queued.depth != k:
             self._take_back()
@@ -346,8 +362,7 @@ class BatchSpeculator:
         self.head_hidden = head_rows[mx.arange(B), n_acc][:, None]
         self.pending = nxt
         out = self._emit(k, kept, drafts.tolist(), nxt.tolist(), processed)
-        if self.ids:  # the rows that go on: their next drafts compute while the host hands these tokens out
-            self.queued = self._queue_drafts(k)
+        self._queue_next(then)  # computes while the host hands these tokens out
         return out
 
     def _accept(self, logits: mx.array, drafts: mx.array, draft_probs: List) -> Tuple[mx.array, mx.array, List]:

@@ -97,7 +97,7 @@ class DraftingBatch:
             depth = w.policy.depth_for(width)
             try:
                 start = time.perf_counter()
-                rounds = self.batch.step(depth)
+                rounds = self.batch.step(depth, then=w.policy.peek(width))
                 seconds = time.perf_counter() - start
             except Exception as e:  # not attributable to one request: fail the batch, keep serving
                 log.exception("batched drafting failed")

@@ -38,7 +38,7 @@ class BatchRun:
 
 def run_speculator(lm: LoadedModel, prompts: Sequence[Sequence[int]], params: SamplingParams,
                    depth_for: Callable[[int], int], observe: Callable = None,
-                   draft_vocab=None, record: Callable = None) -> BatchRun:
+                   draft_vocab=None, record: Callable = None, peek: Callable[[int], int] = None) -> BatchRun:
     """The rows through one BatchSpeculator: all join (each prefilled alone), then rounds at depth_for(width)."""
     start = time.perf_counter()
     batch = BatchSpeculator(lm, draft_vocab=draft_vocab)
@@ -57,7 +57,7 @@ def run_speculator(lm: LoadedModel, prompts: Sequence[Sequence[int]], params: Sa
         width, k = len(batch), depth_for(len(batch))
         depths[k] = depths.get(k, 0) + 1
         round_start = time.perf_counter()
-        outs = batch.step(k)
+        outs = batch.step(k, then=peek(width) if peek is not None else k)
         if record is not None:
             record(width, k, time.perf_counter() - round_start)
         for i, out in outs.items():
@@ -113,7 +113,7 @@ def concurrent_benchmark(lm: LoadedModel, prompts: Sequence[Sequence[int]], para
         "mlx-lm batch": lambda: run_mlx_batch(lm, prompts, params),
         "dyno plain": lambda: run_speculator(lm, prompts, params, lambda w: 0, draft_vocab=draft_vocab),
         "dyno drafting": lambda: run_speculator(lm, prompts, params, policy.depth_for, policy.observe, draft_vocab,
-                                                 policy.record),
+                                                 policy.record, policy.peek),
         "dyno serial": lambda: run_serial(lm, prompts, params, SpecConfig("mtp", serial_depth, draft_vocab)),
     }
     for run in settings.values():  # warm-up: compile, allocate; the policy sees its first rounds

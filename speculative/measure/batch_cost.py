@@ -161,8 +161,9 @@ class RoundClock:
 
 
 class DepthPolicy:
-    """Each round's draft depth for the rows in the batch: `depth_for(width)`, then `observe` the
-    round's events and `record` its seconds.
+    """Each round's draft depth for the rows in the batch: `depth_for(width)` (and `peek(width)`, the
+    next round's, for the work the round queues), then `observe` the round's events and `record` its
+    seconds.
 
     `pinned` (a `--draft-depth N`) fixes the depth; otherwise the best by cost, with acceptance
     learned online from the rounds observed, starting from `prior` (rates at positions 1, 2, ...),
@@ -196,20 +197,31 @@ class DepthPolicy:
 
     def depth_for(self, width: int) -> int:
         """The depth to draft at this round for `width` rows (0: a plain batched round)."""
-        if self.pinned is not None:
-            k = self.pinned
-        elif width <= 0:
-            k = 0
-        else:
-            k = self.best_depth(width)
-            n = self.rounds[width] = self.rounds.get(width, 0) + 1
-            turn, phase = divmod(n, EXPLORE_EVERY)
-            if phase == EXPLORE_EVERY - EXPLORE_RUN:  # a turn starts: which neighbour, if any
-                self.exploring[width] = self._neighbour(width, k, turn)
-            if phase >= EXPLORE_EVERY - EXPLORE_RUN and self.exploring.get(width) is not None:
-                k = self.exploring[width]
+        k = self._next(width, commit=True)
         counts = self.chosen.setdefault(width, {})
         counts[k] = counts.get(k, 0) + 1
+        return k
+
+    def peek(self, width: int) -> int:
+        """The depth the next round at `width` rows will likely take (what this round queues work
+        for): depth_for's choice, computed without counting it."""
+        return self._next(width, commit=False)
+
+    def _next(self, width: int, commit: bool) -> int:
+        if self.pinned is not None:
+            return self.pinned
+        if width <= 0:
+            return 0
+        k = self.best_depth(width)
+        n = self.rounds.get(width, 0) + 1
+        turn, phase = divmod(n, EXPLORE_EVERY)
+        exploring = self.exploring.get(width)
+        if phase == EXPLORE_EVERY - EXPLORE_RUN:  # a turn starts: which neighbour, if any
+            exploring = self._neighbour(width, k, turn)
+        if commit:
+            self.rounds[width], self.exploring[width] = n, exploring
+        if phase >= EXPLORE_EVERY - EXPLORE_RUN and exploring is not None:
+            k = exploring
         return k
 
     def _neighbour(self, width: int, best: int, turn: int) -> Optional[int]:

@@ -213,6 +213,16 @@ def test_a_neighbour_far_below_the_best_is_timed_rarely():
     assert policy.best_depth(8) == 1 and picked.count(0) == 4 * batch_cost.EXPLORE_RUN
 
 
+def test_peek_is_the_next_depth_without_counting_it():
+    """What a round queues work for: the depth the next depth_for gives, exploration turns included."""
+    policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=3)
+    for _ in range(3 * batch_cost.EXPLORE_EVERY):
+        expected = policy.peek(2)
+        assert policy.peek(2) == expected  # peeking counts nothing
+        assert policy.depth_for(2) == expected
+    assert len(set(sum(([k] * n for k, n in policy.chosen[2].items()), []))) > 1  # turns were explored
+
+
 def test_a_pinned_policy_ignores_round_times():
     policy = DepthPolicy(None, [], pinned=2)
     policy.record(1, 2, 100.0)

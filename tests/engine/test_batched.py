@@ -225,15 +225,17 @@ def test_rows_sampled_side_by_side_follow_the_model(tiny_lm):
         assert stat < chi2.isf(FALSE_ALARM, dof), (i, stat, dof)
 
 
-def drive_schedule(batch, depths, joins, limit=1000):
-    """As `drive`, with round r at depth depths[r % len(depths)]."""
+def drive_schedule(batch, depths, joins, limit=1000, told=False):
+    """As `drive`, with round r at depth depths[r % len(depths)]; `told`: each round is told the next
+    one's depth (the work it queues), else it queues for its own depth."""
     events, finish = {}, {}
     rounds = 0
     while (batch or any(r >= rounds for r in joins)) and rounds < limit:
         for row_id, prompt, params in joins.get(rounds, []):
             out = batch.join(row_id, prompt, params)
             events[row_id] = list(out.events)
-        for row_id, out in batch.step(depths[rounds % len(depths)]).items():
+        then = depths[(rounds + 1) % len(depths)] if told else None
+        for row_id, out in batch.step(depths[rounds % len(depths)], then).items():
             events[row_id] += out.events
             if out.finish:
                 finish[row_id] = out.finish
@@ -243,7 +245,8 @@ def drive_schedule(batch, depths, joins, limit=1000):
 
 @pytest.mark.parametrize("name", ["dyno-tiny", "dyno-tiny-moe"])
 @pytest.mark.parametrize("depths", [[0], [0, 3, 1, 0, 2], [0, 0, 0, 2, 0, 0, 3, 3, 0, 1]])
-def test_depth_zero_and_changing_depths_stay_plain_greedy(bundled, monkeypatch, name, depths):
+@pytest.mark.parametrize("told", [False, True])
+def test_depth_zero_and_changing_depths_stay_plain_greedy(bundled, monkeypatch, name, depths, told):
     """Depth 0 is a plain batched round; rounds switch between it and drafting (the head catches up
     on the rows plain rounds deferred, here every two), rows join and leave in between: every row is
     plain greedy."""
@@ -254,7 +257,7 @@ def test_depth_zero_and_changing_depths_stay_plain_greedy(bundled, monkeypatch, 
     joins = {0: [(i, prompts[i], SamplingParams(max_tokens=limits[i])) for i in (0, 1)],
              3: [(2, prompts[2], SamplingParams(max_tokens=limits[2]))],
              7: [(3, prompts[3], SamplingParams(max_tokens=limits[3]))]}
-    events, finish = drive_schedule(BatchSpeculator(lm), depths, joins)
+    events, finish = drive_schedule(BatchSpeculator(lm), depths, joins, told=told)
     for i, prompt in enumerate(prompts):
         want = plain_greedy(lm, prompt, limits[i])
         assert tokens(events[i]) == want, f"row {i}"
@@ -289,7 +292,8 @@ def test_a_seeded_row_draws_the_same_alone_and_beside_others_at_depth_zero(bundl
     other = [("g", lm.tokenizer.encode(PROMPTS[2]), SamplingParams(max_tokens=30)),
              ("t", lm.tokenizer.encode(PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=50))]
     beside, _ = drive_schedule(BatchSpeculator(lm), [0, 2], {0: [("s", prompt, SAMPLED)] + other})
-    assert tokens(alone["s"]) == tokens(beside["s"]) and len(tokens(alone["s"])) == SAMPLED.max_tokens
+    told, _ = drive_schedule(BatchSpeculator(lm), [0, 2], {0: [("s", prompt, SAMPLED)] + other}, told=True)
+    assert tokens(alone["s"]) == tokens(beside["s"]) == tokens(told["s"]) and len(tokens(alone["s"])) == SAMPLED.max_tokens
 
 
 def test_the_plain_pass_queued_ahead_is_taken_back_exactly(bundled):
