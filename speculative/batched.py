@@ -81,12 +81,14 @@ def trim_rows(cache: BatchKVCache, fed: int, kept: List[int]) -> None:
     drop = [fed - k for k in kept]
     cache.trim(min(drop))  # the part every row drops
     extra = [d - min(drop) for d in drop]
-    if any(extra):  # as BatchKVCache.finalize: roll each row by its own count
-        shift = mx.array(extra)
-        cache.keys = dynamic_roll(cache.keys, shift[:, None], axis=2)
-        cache.values = dynamic_roll(cache.values, shift[:, None], axis=2)
-        cache.offset = cache.offset - shift
-        cache.left_padding = cache.left_padding + shift
+    if not any(extra):  # every row dropped alike: its padding is as it was
+        return
+    # As BatchKVCache.finalize: roll each row by its own count.
+    shift = mx.array(extra)
+    cache.keys = dynamic_roll(cache.keys, shift[:, None], axis=2)
+    cache.values = dynamic_roll(cache.values, shift[:, None], axis=2)
+    cache.offset = cache.offset - shift
+    cache.left_padding = cache.left_padding + shift
     shared = mx.min(cache.left_padding).item()
     if shared >= COMPACT_AT:  # padding every row has: drop it, as BatchKVCache.filter does
         cache.keys, cache.values = cache.keys[..., shared:, :], cache.values[..., shared:, :]
