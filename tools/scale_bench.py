@@ -14,6 +14,7 @@ padded with random rows (no prefill: minutes per thousand tokens on a slow CPU):
 import argparse
 import json
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -45,6 +46,8 @@ def main() -> int:
     ap.add_argument("--root", help="where the temporary checkpoint goes (default: the system's temp dir)")
     ap.add_argument("--json", help="write the record here")
     args = ap.parse_args()
+    # A stopped run (kill, timeout) exits through `built`'s cleanup: its checkpoint takes gigabytes.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     depths = [int(d) for d in args.depths.split(",")]
     profile = parse_profile(args.acceptance)
     if len(profile) < max(depths):
