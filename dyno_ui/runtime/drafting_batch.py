@@ -94,10 +94,10 @@ class DraftingBatch:
             if not self.active:
                 continue
             width = len(self.batch)
-            depth = w.policy.depth_for(width)
+            depth, then = w.policy.depth_for(width), w.policy.peek(width)
             try:
                 start = time.perf_counter()
-                rounds = self.batch.step(depth, then=w.policy.peek(width))
+                rounds = self.batch.step(depth, then)
                 seconds = time.perf_counter() - start
             except Exception as e:  # not attributable to one request: fail the batch, keep serving
                 log.exception("batched drafting failed")
@@ -109,7 +109,7 @@ class DraftingBatch:
                 w.metrics.set_width(0)
                 continue
             w.metrics.record_round(width, depth, seconds)
-            w.policy.record(width, depth, seconds)
+            w.policy.record(width, depth, seconds, then)
             w.policy.observe(e for out in rounds.values() for e in out.events)
             for row, out in rounds.items():
                 self.active[row].stats.add_width(width)

@@ -55,11 +55,12 @@ def run_speculator(lm: LoadedModel, prompts: Sequence[Sequence[int]], params: Sa
         take(i, batch.join(i, prompt, params))
     while batch:
         width, k = len(batch), depth_for(len(batch))
+        then = peek(width) if peek is not None else k
         depths[k] = depths.get(k, 0) + 1
         round_start = time.perf_counter()
-        outs = batch.step(k, then=peek(width) if peek is not None else k)
+        outs = batch.step(k, then)
         if record is not None:
-            record(width, k, time.perf_counter() - round_start)
+            record(width, k, time.perf_counter() - round_start, then)
         for i, out in outs.items():
             take(i, out)
         if observe is not None:

@@ -40,18 +40,20 @@ PRIOR_ROUNDS = 8.0
 # Each observed round's counts weigh this much less per later round: acceptance follows the text
 # being written (code, prose, a repeated passage), so recent rounds speak for the next one.
 FORGET = 0.99
-# A round's time counts once its depth ran the round before too: the first round at a new depth
-# pays the switch (the head's owed rows, a new shape's first compile), not the depth itself.
+# A round's time counts once its depth ran the round before too, and when it queued work for its
+# own depth: the first round at a new depth pays the switch (the head's owed rows, a new shape's
+# first compile), and the last pays for some of the next round's work (MLX's CPU backend runs much
+# of an async_eval on the calling thread), not for the depth itself.
 # The estimate is the median of the last WINDOW such times: one slow round (another process, a
 # collection) moves it little, a lasting change within a few rounds.
 WINDOW = 9
 # Every this many rounds at a width, EXPLORE_RUN rounds go to a neighbour of the best depth
-# (deeper and shallower in turn); the second of them is timed.
+# (deeper and shallower in turn); the middle one is timed.
 EXPLORE_EVERY = 24
-EXPLORE_RUN = 2
+EXPLORE_RUN = 3
 # A neighbour whose timed rounds put it below FAR of the best depth's rate is timed only every
-# FAR_SPACING-th such turn (one never timed always is: the tuned costs can be wrong): each of its rounds costs what it is estimated to lose, and a switch costs more (the queued
-# work taken back, the head's owed rows). Its estimate still follows acceptance and the machine's
+# FAR_SPACING-th such turn (one never timed always is: the tuned costs can be wrong): each of its
+# rounds costs what it is estimated to lose, and a switch costs more (the head's owed rows). Its estimate still follows acceptance and the machine's
 # speed in between, and comes back within FAR when those make it competitive.
 FAR = 0.8
 FAR_SPACING = 8
@@ -132,10 +134,11 @@ class RoundClock:
         self._ratios: Optional[Dict[tuple, float]] = None  # timed/tuned per timed cell, until the next record
         self.last: Optional[tuple] = None  # the previous round's (width, depth)
 
-    def record(self, width: int, depth: int, seconds: float) -> None:
+    def record(self, width: int, depth: int, seconds: float, then: Optional[int] = None) -> None:
+        """A round's wall time; `then`: the depth it queued work for (None: its own)."""
         cell = (width, depth)
         self._ratios = None
-        if cell == self.last:
+        if cell == self.last and then in (None, depth):
             kept = self.times.setdefault(cell, deque(maxlen=WINDOW))
             if cell in self.refs:  # this round against its cell's reference: how slow the machine runs now
                 self.speeds.append(seconds / self.refs[cell])
@@ -247,10 +250,11 @@ class DepthPolicy:
         rates = self.expected_rates(width)
         return max(rates, key=lambda k: (rates[k], -k))
 
-    def record(self, width: int, depth: int, seconds: float) -> None:
-        """The wall time of a round at `depth` for `width` rows (its one host sync included)."""
+    def record(self, width: int, depth: int, seconds: float, then: Optional[int] = None) -> None:
+        """The wall time of a round at `depth` for `width` rows (its one host sync included), which
+        queued work for a round at depth `then` (None: its own depth)."""
         if self.clock is not None:
-            self.clock.record(width, depth, seconds)
+            self.clock.record(width, depth, seconds, then)
 
     def observe(self, events: Iterable) -> None:
         """Fold one round's events (any mix; its Round events count): which positions each row

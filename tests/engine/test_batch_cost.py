@@ -223,6 +223,20 @@ def test_peek_is_the_next_depth_without_counting_it():
     assert len(set(sum(([k] * n for k, n in policy.chosen[2].items()), []))) > 1  # turns were explored
 
 
+def test_an_explored_depth_is_timed_on_its_steady_round_alone():
+    """An exploration turn enters a depth (paying the switch), runs it, and leaves it (queueing the
+    next depth's work, which MLX's CPU backend partly runs inside that round): only the middle
+    round's time is kept, so the explored depth is not charged for either switch."""
+    policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=1)
+    steady = {0: 1.0, 1: 2.0}
+    for _ in range(6 * batch_cost.EXPLORE_EVERY):
+        k, then = policy.depth_for(8), policy.peek(8)
+        switch = 1.5 if (k != then or policy.clock.last != (8, k)) else 0.0
+        policy.record(8, k, steady[k] + switch, then)
+    assert policy.clock.seconds(8, 1) == pytest.approx(2.0)
+    assert policy.clock.seconds(8, 0) == pytest.approx(1.0)
+
+
 def test_a_pinned_policy_ignores_round_times():
     policy = DepthPolicy(None, [], pinned=2)
     policy.record(1, 2, 100.0)
