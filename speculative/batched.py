@@ -292,10 +292,13 @@ class BatchSpeculator:
         mx.async_eval(drafts[0])
         return QueuedDrafts(k, drafts, start, keys)
 
-    def _may_look_ahead(self, coming: int) -> bool:
-        """The next plain pass can be queued now: no row's processors wait for tokens not yet emitted,
-        and no row ends by its length within the `coming` tokens not yet emitted (its next would be wasted)."""
-        return all(not r.processors and len(r.generated) + coming < r.params.max_tokens for r in self.rows)
+    def _look_ahead(self, coming: int) -> None:
+        """Queue the next plain pass and start it, unless a row's processors wait for tokens not yet
+        emitted, or a row ends by its length within the `coming` tokens not yet emitted (its next
+        token would be wasted)."""
+        if all(not r.processors and len(r.generated) + coming < r.params.max_tokens for r in self.rows):
+            self.ahead = self._plain_pass()
+            mx.async_eval(self.ahead.nxt)
 
     def _queue_next(self, then: int) -> None:
         """After a round's tokens are emitted: queue the first work of the next round, at depth `then`."""
@@ -304,9 +307,8 @@ class BatchSpeculator:
         if then > 0:
             self._catch_up_head()
             self.queued = self._queue_drafts(then)
-        elif self._may_look_ahead(0):
-            self.ahead = self._plain_pass()
-            mx.async_eval(self.ahead.nxt)
+        else:
+            self._look_ahead(0)
 
     def _plain_round(self, then: int) -> Dict[Hashable, RowEvents]:
         """Depth 0: this round's pass (queued by the last round, or now), and with a plain round next,
@@ -318,9 +320,8 @@ class BatchSpeculator:
         self.backlog.append((now.nxt[:, None], now.hidden))
         if len(self.backlog) >= HEAD_BACKLOG:
             self._catch_up_head()
-        if then == 0 and self._may_look_ahead(1):
-            self.ahead = self._plain_pass()
-            mx.async_eval(self.ahead.nxt)
+        if then == 0:
+            self._look_ahead(1)
         mx.eval(now.nxt)  # the round's one host sync
         out = self._emit(0, [1] * len(self.rows), [[] for _ in self.rows], now.nxt.tolist(), now.processed)
         if then > 0:  # drafts follow the emitted tokens (a row's processors read them)

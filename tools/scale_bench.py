@@ -23,11 +23,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 
+from speculative.attention_kernels import deepest_vector_depth, metal_attention_kernel
 from speculative.loader import load_checkpoint
 from speculative.measure import shapes
 from speculative.measure.random_checkpoint import built
 from speculative.measure.replay import parse_profile
-from speculative.measure.scale import deepest_vector_depth, measure_context, metal_attention_kernel, random_prompt
+from speculative.measure.scale import measure_context, random_prompt
 
 
 def main() -> int:

@@ -54,6 +54,7 @@ def depth_info(lm, metal: Optional[bool] = None) -> Optional[str]:
         return None
     return f"above {deepest}, a verify leaves Metal's vector attention kernel for this model (docs/performance.md)"
 
+
 def theme() -> gr.themes.Base:
     """Gradio's default theme in Dyno's colours, with system fonts (nothing fetched from the web)."""
     return gr.themes.Default(primary_hue="emerald", neutral_hue="slate",

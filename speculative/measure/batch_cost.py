@@ -53,8 +53,9 @@ EXPLORE_EVERY = 24
 EXPLORE_RUN = 3
 # A neighbour whose timed rounds put it below FAR of the best depth's rate is timed only every
 # FAR_SPACING-th such turn (one never timed always is: the tuned costs can be wrong): each of its
-# rounds costs what it is estimated to lose, and a switch costs more (the head's owed rows). Its estimate still follows acceptance and the machine's
-# speed in between, and comes back within FAR when those make it competitive.
+# rounds costs what it is estimated to lose, and a switch costs more (the head's owed rows). Its
+# estimate still follows acceptance and the machine's speed in between, and comes back within FAR
+# when those make it competitive.
 FAR = 0.8
 FAR_SPACING = 8
 

@@ -9,7 +9,6 @@ run must reproduce the reference tokens (asserted). Tools print; this returns a 
 import random
 from typing import Dict, List, Optional, Sequence
 
-from ..attention_kernels import deepest_vector_depth, metal_attention_kernel  # noqa: F401 (the bench's)
 from ..config import SamplingParams, SpecConfig
 from ..draft_vocab.head import AUTO_MIN_SHARE, AUTO_STEP, DraftLMHead, lm_head_module, ranked_ids
 from ..loader import LoadedModel
@@ -17,6 +16,7 @@ from ..stats import GenerationStats
 from .bench import run_dyno, run_mlx_lm, summarize
 from .cost_model import cost_model, speedup_bound
 from .replay import replayed_runner
+
 
 def draft_vocab_floor(vocab: int) -> int:
     """auto's smallest draft vocabulary (draft_vocab.head: 1/8 of the rows, in steps of 256)."""
