@@ -29,7 +29,7 @@ from ..errors import DynoError
 from ..events import Round
 from ..loader import LoadedModel
 from ..rollback import restore, snapshot
-from .cost_model import interleaved, queued
+from .cost_model import interleaved
 from .tuning import ESTIMATE_PROMPT, PRIOR_DECAY, PRIOR_FIRST, resolve_depth, store, stored
 
 WIDTHS = (1, 2, 4, 8)  # batch widths measured; others are interpolated
@@ -299,9 +299,6 @@ def measure_batch_costs(lm: LoadedModel, prompt: Sequence[int], widths: Sequence
         keep.append(batch)
         builders.update(_builders(batch, width, max_depth))
     t = interleaved(builders, reps, burst)
-    # A difference of two timed runs that the machine's noise made zero or negative says nothing:
-    # one call timed alone (its graph building included, so rather more) stands in for it.
-    t = {name: s if s > 0 else queued(builders[name], 1) for name, s in t.items()}
     verify = {b: {n: t[("V", b, n)] for n in range(1, max_depth + 2)} for b in widths}
     rounds = {width: timed_rounds(batch, width, prompt, max_depth, reps) for width, batch in zip(widths, keep)}
     return monotone(BatchCosts(verify, {b: t[("D", b)] for b in widths}, rounds))
