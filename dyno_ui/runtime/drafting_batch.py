@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from speculative.batched import BatchSpeculator, RowEvents
 from speculative.events import Token
+from speculative.measure.batch_cost import RoundTimer
 from speculative.prompt_cache.store import entry_from
 from speculative.stats import GenerationStats
 
@@ -80,6 +81,7 @@ class DraftingBatch:
         budget = worker.max_batch_memory if worker.max_batch_memory is not None else default_batch_memory()
         self.admission = Admission(RowMemory.of(lm.config, len(lm.head.layers)), budget)
         self.held = None  # the next job, waiting for memory to free
+        self.timer = RoundTimer(worker.policy.record)  # the policy's round times, start to start
         self.next_row = 0
 
     def _new_batch(self) -> BatchSpeculator:
@@ -96,10 +98,12 @@ class DraftingBatch:
             width = len(self.batch)
             depth, then = w.policy.depth_for(width), w.policy.peek(width)
             try:
+                self.timer.start(width, depth, then)
                 start = time.perf_counter()
                 rounds = self.batch.step(depth, then)
                 seconds = time.perf_counter() - start
             except Exception as e:  # not attributable to one request: fail the batch, keep serving
+                self.timer.skip()
                 log.exception("batched drafting failed")
                 for job in self.active.values():
                     w._fail(job, failure(e))
@@ -109,7 +113,6 @@ class DraftingBatch:
                 w.metrics.set_width(0)
                 continue
             w.metrics.record_round(width, depth, seconds)
-            w.policy.record(width, depth, seconds, then)
             w.policy.observe(e for out in rounds.values() for e in out.events)
             for row, out in rounds.items():
                 self.active[row].stats.add_width(width)
@@ -131,6 +134,8 @@ class DraftingBatch:
         while len(self.active) < w.concurrency:
             job = self.held
             if job is None:
+                if not self.active:  # an idle wait is no round's time
+                    self.timer.skip()
                 try:
                     job = w.jobs.get(block=not self.active)
                 except queue.Empty:
@@ -150,6 +155,7 @@ class DraftingBatch:
     def _join(self, job, nbytes: int) -> None:
         """Prefill the job's prompt alone (after its cached prefix) and add its row; send its first token."""
         w = self.worker
+        self.timer.skip()  # the prefill is no round's time
         job.stats = GenerationStats(draft_depth=w.spec.draft_depth)
         job.started_at = time.perf_counter()
         row = self.next_row

@@ -19,7 +19,7 @@ from ..engine import generate
 from ..events import Token
 from ..loader import LoadedModel
 from .bench import summarize
-from .batch_cost import DepthPolicy
+from .batch_cost import DepthPolicy, RoundTimer
 
 
 @dataclass
@@ -53,14 +53,14 @@ def run_speculator(lm: LoadedModel, prompts: Sequence[Sequence[int]], params: Sa
 
     for i, prompt in enumerate(prompts):
         take(i, batch.join(i, prompt, params))
+    timer = RoundTimer(record) if record is not None else None
     while batch:
         width, k = len(batch), depth_for(len(batch))
         then = peek(width) if peek is not None else k
         depths[k] = depths.get(k, 0) + 1
-        round_start = time.perf_counter()
+        if timer is not None:
+            timer.start(width, k, then)
         outs = batch.step(k, then)
-        if record is not None:
-            record(width, k, time.perf_counter() - round_start, then)
         for i, out in outs.items():
             take(i, out)
         if observe is not None:

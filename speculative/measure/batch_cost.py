@@ -44,20 +44,22 @@ FORGET = 0.99
 # own depth: the first round at a new depth pays the switch (the head's owed rows, a new shape's
 # first compile), and the last pays for some of the next round's work (MLX's CPU backend runs much
 # of an async_eval on the calling thread), not for the depth itself.
-# The estimate is the median of the last WINDOW such times: one slow round (another process, a
-# collection) moves it little, a lasting change within a few rounds.
+# The estimate is typical() of the last WINDOW such times: one slow round from elsewhere moves it
+# little, a lasting change follows within a few rounds.
 WINDOW = 9
 # Every this many rounds at a width, EXPLORE_RUN rounds go to a neighbour of the best depth
 # (deeper and shallower in turn); the middle one is timed.
 EXPLORE_EVERY = 24
 EXPLORE_RUN = 3
 # A neighbour whose timed rounds put it below FAR of the best depth's rate is timed only every
-# FAR_SPACING-th such turn (one never timed always is: the tuned costs can be wrong): each of its
-# rounds costs what it is estimated to lose, and a switch costs more (the head's owed rows). Its
-# estimate still follows acceptance and the machine's speed in between, and comes back within FAR
-# when those make it competitive.
+# FAR_SPACING-th such turn: each of its rounds costs what it is estimated to lose, and a switch costs
+# more (the head's owed rows). Its estimate still follows acceptance and the machine's speed in
+# between, and comes back within FAR when those make it competitive. Until it has FAR_EVIDENCE timed
+# rounds it is timed on every turn: the tuned costs can be wrong, and so can one round (scratch, one
+# row: a first depth-1 round timed at 1.5x its steady time kept a whole wave at depth 0, 0.75x).
 FAR = 0.8
 FAR_SPACING = 8
+FAR_EVIDENCE = 3
 
 
 def interpolate(table: Dict[int, float], width: int) -> float:
@@ -114,6 +116,15 @@ def _keyed(table: Dict[int, Dict[int, float]]) -> dict:
     return {str(b): {str(t): s for t, s in row.items()} for b, row in table.items()}
 
 
+def typical(times) -> float:
+    """A cell's seconds per round from its kept times: their mean, the slowest one left out. The rate is
+    the mean's (rare slow rounds, a head catch-up or a collection, are part of it; a median hid them and
+    made plain rounds look 5-10% cheaper against drafting ones, scratch at one row); one slow round from
+    elsewhere moves it little."""
+    times = sorted(times)
+    return statistics.mean(times[:-1]) if len(times) > 2 else statistics.median(times)
+
+
 class RoundClock:
     """Seconds per round at each (width, depth), from the rounds a policy ran; the tuned costs,
     scaled to what the timed rounds say of them, for a cell not yet timed.
@@ -122,7 +133,7 @@ class RoundClock:
     only now and then: compared as they were taken, a slow spell would make every depth not in use
     look cheap. So each time is kept divided by `speed`, how slow the machine runs now, and the cells
     compare in those units. `speed` is the median of what the last rounds said of it against their
-    cell's reference: the median of its first WINDOW kept times, then fixed (against the kept times
+    cell's reference: typical() of its first WINDOW kept times, then fixed (against the kept times
     themselves, each divided by the speed of its day, the estimate would wander with the noise).
     """
 
@@ -146,7 +157,7 @@ class RoundClock:
                 self.speed = statistics.median(self.speeds)
             kept.append(seconds / self.speed)
             if cell not in self.refs and len(kept) == WINDOW:
-                self.refs[cell] = statistics.median(kept)
+                self.refs[cell] = typical(kept)
         self.last = cell
 
     def tuned(self, width: int, depth: int) -> float:
@@ -156,12 +167,35 @@ class RoundClock:
         """The measured seconds of a round at `depth` for `width` rows at today's speed, else the tuned
         estimate scaled by the median ratio of measured to tuned at this width (any width when none here)."""
         if (width, depth) in self.times:
-            return self.speed * statistics.median(self.times[(width, depth)])
+            return self.speed * typical(self.times[(width, depth)])
         if self._ratios is None:  # once per round, not once per depth asked about
-            self._ratios = {c: statistics.median(t) / self.tuned(*c) for c, t in self.times.items()
+            self._ratios = {c: typical(t) / self.tuned(*c) for c, t in self.times.items()
                             if self.tuned(*c) > 0}
         here = [r for (w, _), r in self._ratios.items() if w == width] or list(self._ratios.values())
         return self.speed * self.tuned(width, depth) * (statistics.median(here) if here else 1.0)
+
+
+class RoundTimer:
+    """Each round's seconds from its start to the next round's start, handed to `record(width, depth,
+    seconds, then)`: the host's work between rounds (handing tokens out, the policy itself) is paid once
+    a round, so a plain round, one token a row, pays it most, and step() alone leaves it out."""
+
+    def __init__(self, record):
+        self.record = record
+        self.open: Optional[tuple] = None  # (width, depth, then, start) of the round running now
+
+    def start(self, width: int, depth: int, then: Optional[int] = None) -> None:
+        """A round starts: the one before it, if timed, ends here."""
+        now = time.perf_counter()
+        if self.open is not None:
+            w, k, t, began = self.open
+            self.record(w, k, now - began, t)
+        self.open = (width, depth, then, now)
+
+    def skip(self) -> None:
+        """Something besides rounds runs before the next one (a row's prefill, an idle wait): the round
+        running now goes untimed."""
+        self.open = None
 
 
 class DepthPolicy:
@@ -172,13 +206,18 @@ class DepthPolicy:
     `pinned` (a `--draft-depth N`) fixes the depth; otherwise the best by cost, with acceptance
     learned online from the rounds observed, starting from `prior` (rates at positions 1, 2, ...),
     and round times learned from the rounds timed (RoundClock), starting from `costs`.
+
+    `single`: the depth for one row, the single-request engine's (`dyno tune`'s, chosen from whole
+    runs at each depth). One row is that engine's round, and there the online estimates, a few noisy
+    rounds per depth with 5-15% between the best depths, chose worse (scratch, one row, 6 waves: the
+    policy 0.82x serial drafting, rounds at the tuned depth 0.96x).
     """
 
     def __init__(self, costs: Optional[BatchCosts], prior: Sequence[float], max_depth: int = MAX_DEPTH,
-                 pinned: Optional[int] = None):
+                 pinned: Optional[int] = None, single: Optional[int] = None):
         if costs is None and pinned is None:
             raise ValueError("a depth policy needs costs or a pinned depth")
-        self.costs, self.pinned, self.max_depth = costs, pinned, max_depth
+        self.costs, self.pinned, self.max_depth, self.single = costs, pinned, max_depth, single
         self.prior = list(prior)[:max_depth] + [0.0] * (max_depth - len(prior))
         self.accepted = [0.0] * max_depth  # decayed counts per position
         self.drafted = [0.0] * max_depth
@@ -216,6 +255,8 @@ class DepthPolicy:
             return self.pinned
         if width <= 0:
             return 0
+        if width == 1 and self.single is not None:
+            return min(self.single, self.deepest)
         k = self.best_depth(width)
         n = self.rounds.get(width, 0) + 1
         turn, phase = divmod(n, EXPLORE_EVERY)
@@ -237,7 +278,7 @@ class DepthPolicy:
         k = best + step
         if not 0 <= k <= self.deepest:
             return None
-        if (width, k) not in self.clock.times:  # estimated from the tuned costs only: time it
+        if len(self.clock.times.get((width, k), ())) < FAR_EVIDENCE:  # too few timed rounds to judge it
             return k
         rates = self.expected_rates(width)
         if rates[k] < FAR * rates[best] and (turn // 2) % FAR_SPACING:
@@ -252,8 +293,8 @@ class DepthPolicy:
         return max(rates, key=lambda k: (rates[k], -k))
 
     def record(self, width: int, depth: int, seconds: float, then: Optional[int] = None) -> None:
-        """The wall time of a round at `depth` for `width` rows (its one host sync included), which
-        queued work for a round at depth `then` (None: its own depth)."""
+        """The wall time of a round at `depth` for `width` rows, from its start to the next round's
+        (RoundTimer), which queued work for a round at depth `then` (None: its own depth)."""
         if self.clock is not None:
             self.clock.record(width, depth, seconds, then)
 
@@ -395,10 +436,11 @@ def resolve_policy(lm: LoadedModel, requested, draft_vocab: Optional[int] = None
         resolve_depth(lm, "auto", draft_vocab)
         found = stored(lm, draft_vocab) or {}
     prior = prior_acceptance(lm, draft_vocab)
+    single = int(found.get("depth", 1))
     if found.get("batch_costs"):
-        return DepthPolicy(BatchCosts.from_json(found["batch_costs"]), prior)
+        return DepthPolicy(BatchCosts.from_json(found["batch_costs"]), prior, single=single)
     prompt = lm.tokenizer.encode(ESTIMATE_PROMPT) or [0]
     costs = measure_batch_costs(lm, prompt, reps=3, draft_vocab=draft_vocab)
     details = {k: v for k, v in found.items() if k not in ("depth", "draft_vocab")}
-    store(lm, int(found.get("depth", 1)), {**details, "batch_costs": costs.as_json()}, draft_vocab)
-    return DepthPolicy(costs, prior)
+    store(lm, single, {**details, "batch_costs": costs.as_json()}, draft_vocab)
+    return DepthPolicy(costs, prior, single=single)

@@ -95,25 +95,36 @@ def test_whole_rounds_where_measured_else_verify_and_draft():
 
 
 def test_a_timing_noise_made_non_positive_is_timed_again_alone(tiny_lm, monkeypatch):
-    real = batch_cost.interleaved
-    monkeypatch.setattr(batch_cost, "interleaved", lambda builds, reps, burst: {
-        name: (-0.001 if name == ("V", 1, 1) else 0.0 if name == ("D", 1) else s)
-        for name, s in real(builds, reps, burst).items()})
+    from speculative.measure import cost_model
+
+    # Under load the longer burst can finish sooner than the shorter: a difference at or below zero.
+    monkeypatch.setattr(cost_model, "per_call", lambda build, burst: -0.001)
     lm = tiny_lm()
-    costs = measure_batch_costs(lm, lm.tokenizer.encode("def f(x):\n"), widths=(1,), max_depth=1, reps=1)
+    prompt = lm.tokenizer.encode("def f(x):\n")
+    costs = measure_batch_costs(lm, prompt, widths=(1,), max_depth=1, reps=1)
     assert costs.verify[1][1] > 0 and costs.draft[1] > 0
+    single = cost_model.cost_model(lm, prompt, [1], reps=1)
+    assert single["T1"] > 0 and single["Td"] > 0 and single["Tv"][1] > 0
 
 
 def test_auto_uses_the_stored_costs(monkeypatch, tmp_path):
     """`--draft-depth auto` in a batched server reads what `dyno tune` stored (nothing is measured)."""
     monkeypatch.setenv("DYNO_CACHE", str(tmp_path))
     lm = SimpleNamespace(path=tmp_path / "model", head=object())
-    tuning.store(lm, 3, {"source": "measured", "acceptance": ACCEPTANCE, "batch_costs": COSTS.as_json()}, None)
+    tuning.store(lm, 2, {"source": "measured", "acceptance": ACCEPTANCE, "batch_costs": COSTS.as_json()}, None)
     monkeypatch.setattr(batch_cost, "measure_batch_costs", None)  # calling it would fail
     policy = batch_cost.resolve_policy(lm, "auto")
     assert policy.acceptance() == pytest.approx(ACCEPTANCE + [0.0])
-    assert [policy.depth_for(w) for w in (1, 2, 8)] == [3, 2, 0]
-    assert batch_cost.resolve_policy(lm, 2).depth_for(1) == 2
+    # One row: the single-request engine's stored depth (the costs alone would say 3).
+    assert [policy.depth_for(w) for w in (1, 2, 8)] == [2, 2, 0] and policy.best_depth(1) == 3
+    assert batch_cost.resolve_policy(lm, 1).depth_for(1) == 1
+
+
+def test_one_row_drafts_at_the_single_request_depth_without_exploring():
+    policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=3, single=1)
+    assert {policy.depth_for(1) for _ in range(3 * batch_cost.EXPLORE_EVERY)} == {1}
+    assert len({policy.depth_for(2) for _ in range(3 * batch_cost.EXPLORE_EVERY)}) > 1  # wider: explored
+    assert DepthPolicy(COSTS, ACCEPTANCE, max_depth=1, single=3).depth_for(1) == 1  # within what rows hold
 
 
 def test_timed_rounds_overrule_the_tuned_costs():
@@ -191,20 +202,21 @@ def test_exploring_neighbours_finds_the_depth_the_tuned_costs_missed():
 
 
 def test_a_neighbour_far_below_the_best_is_timed_rarely():
-    """At 8 rows depth 1 delivers 1.9 / 3 s against depth 0's 1 / 1 s (0.63 of it): past the first two
-    turns it is timed on every FAR_SPACING-th turn of its own, not every other one; and once
+    """At 8 rows depth 1 delivers 1.9 / 3 s against depth 0's 1 / 1 s (0.63 of it): past the first
+    FAR_EVIDENCE turns it is timed on every FAR_SPACING-th turn of its own, not every other one; and once
     acceptance makes it competitive, it is timed on every turn again."""
     policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=1)
     true_seconds = {0: 1.0, 1: 3.0}
     picked = []
     for _ in range(20 * batch_cost.EXPLORE_EVERY):
         k = policy.depth_for(8)
-        policy.record(8, k, true_seconds[k])
+        policy.record(8, k, true_seconds[k], policy.peek(8))  # a turn's middle round alone is kept
         picked.append(k)
     assert policy.best_depth(8) == 0
     turns = [n // batch_cost.EXPLORE_EVERY for n, k in enumerate(picked, 1) if k == 1]
-    assert sorted(set(turns)) == [0, 1, 2 * batch_cost.FAR_SPACING, 2 * batch_cost.FAR_SPACING + 1]
-    assert len(turns) == 4 * batch_cost.EXPLORE_RUN
+    assert batch_cost.FAR_EVIDENCE == 3
+    assert sorted(set(turns)) == [0, 1, 2, 2 * batch_cost.FAR_SPACING, 2 * batch_cost.FAR_SPACING + 1]
+    assert len(turns) == 5 * batch_cost.EXPLORE_RUN
     true_seconds[1] = 1.7  # 1.9 / 1.7: now depth 1 is best, and depth 0 within FAR of it
     policy.record(8, 1, 1.7)
     for _ in range(batch_cost.WINDOW):
@@ -242,3 +254,18 @@ def test_a_pinned_policy_ignores_round_times():
     policy.record(1, 2, 100.0)
     assert policy.clock is None and policy.best_depth(1) == 2
     assert [policy.depth_for(1) for _ in range(3 * batch_cost.EXPLORE_EVERY)] == [2] * 3 * batch_cost.EXPLORE_EVERY
+
+
+def test_a_round_is_timed_from_its_start_to_the_next_unless_skipped(monkeypatch):
+    from speculative.measure import batch_cost
+
+    recorded = []
+    timer = batch_cost.RoundTimer(lambda *a: recorded.append(a))
+    clock = iter([1.0, 3.5, 4.0, 10.0])
+    monkeypatch.setattr(batch_cost.time, "perf_counter", lambda: next(clock))
+    timer.start(2, 1, 1)  # t = 1
+    timer.start(2, 1, 0)  # t = 3.5: the first round took 2.5 s, host work after its step included
+    timer.skip()  # a row's prefill
+    timer.start(3, 0)  # t = 4: the round before the prefill is not timed
+    timer.start(3, 0)  # t = 10
+    assert recorded == [(2, 1, 2.5, 1), (3, 0, 6.0, None)]
