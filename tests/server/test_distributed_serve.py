@@ -64,7 +64,11 @@ def test_ctrl_c_ends_every_rank(group):
     proc, _ = group
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends to the foreground group
     start = time.monotonic()
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the group still ran 60 s after Ctrl-C; its stderr:\n" + proc.communicate()[1][-6000:])
     assert time.monotonic() - start < 30
     dyno_frames = [line for line in err.splitlines() if "dyno_ui" in line or "speculative/" in line]
     assert dyno_frames == [], err  # mlx.launch may print its own KeyboardInterrupt; ours never a traceback
