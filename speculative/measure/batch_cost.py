@@ -347,23 +347,26 @@ def measure_batch_costs(lm: LoadedModel, prompt: Sequence[int], widths: Sequence
 
 def timed_rounds(batch: BatchSpeculator, width: int, prompt: Sequence[int], max_depth: int,
                  reps: int) -> Dict[int, float]:
-    """Median seconds of whole rounds at each depth 0..max_depth, as a server runs them: what V and D
-    leave out (acceptance, rollback, the host sync) included. Depths take turns, two rounds each,
-    the second timed (the first pays the switch, as RoundClock has it); a row that ends is replaced."""
+    """Seconds of whole rounds at each depth 0..max_depth, as a server runs them and as RoundClock
+    times them: what V and D leave out (acceptance, rollback, the host sync) included, start to start.
+    Depths take turns of three rounds, the middle one timed (the first pays the switch, the last
+    queues the next depth's work); typical() of each depth's times. A row that ends is replaced; a
+    turn with a replacement after its first round is not timed."""
     samples: Dict[int, List[float]] = {k: [] for k in range(max_depth + 1)}
     joined = len(batch)
     for _ in range(reps):
         for k in samples:
-            for timed in (False, True):
+            starts, refilled = [], False
+            for r in range(3):
                 while len(batch) < width:
                     if batch.join(("refill", joined), prompt, SamplingParams(max_tokens=1 << 20)).finish:
                         raise DynoError("the timing prompt ends at its first token")
-                    joined += 1
-                start = time.perf_counter()
-                batch.step(k)
-                if timed:
-                    samples[k].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in samples.items()}
+                    joined, refilled = joined + 1, refilled or r > 0  # before the switch round: no matter
+                starts.append(time.perf_counter())
+                batch.step(k, k if r < 2 else (k + 1) % (max_depth + 1))
+            if not refilled:
+                samples[k].append(starts[2] - starts[1])
+    return {k: typical(v) for k, v in samples.items() if v}
 
 
 def monotone(costs: BatchCosts) -> BatchCosts:
