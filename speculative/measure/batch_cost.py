@@ -122,7 +122,8 @@ def typical(times) -> float:
     made plain rounds look 5-10% cheaper against drafting ones, scratch at one row); one slow round from
     elsewhere moves it little."""
     times = sorted(times)
-    # Plain float sums: statistics.mean sums exact fractions (the policy took 237 µs a round with it, 47 without; scratch).
+    # Plain float sums: statistics.mean sums exact fractions (the policy took 237 µs a round
+    # with it, 47 without; scratch).
     return sum(times[:-1]) / (len(times) - 1) if len(times) > 2 else statistics.median(times)
 
 
