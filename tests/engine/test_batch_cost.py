@@ -217,10 +217,10 @@ def test_a_neighbour_far_below_the_best_is_timed_rarely():
     assert batch_cost.FAR_EVIDENCE == 3
     assert sorted(set(turns)) == [0, 1, 2, 2 * batch_cost.FAR_SPACING, 2 * batch_cost.FAR_SPACING + 1]
     assert len(turns) == 5 * batch_cost.EXPLORE_RUN
-    true_seconds[1] = 1.7  # 1.9 / 1.7: now depth 1 is best, and depth 0 within FAR of it
-    policy.record(8, 1, 1.7)
+    true_seconds[1] = 1.8  # 1.9 / 1.8: now depth 1 is best, and depth 0 within FAR of it
+    policy.record(8, 1, 1.8)
     for _ in range(batch_cost.WINDOW):
-        policy.record(8, 1, 1.7)
+        policy.record(8, 1, 1.8)
     picked = [policy.depth_for(8) for _ in range(4 * batch_cost.EXPLORE_EVERY)]
     assert policy.best_depth(8) == 1 and picked.count(0) == 4 * batch_cost.EXPLORE_RUN
 
