@@ -58,7 +58,7 @@ EXPLORE_RUN = 3
 # (paired median of 12 waves, scratch), 0.997x at 0.9. Its estimate still follows acceptance and the machine's speed in
 # between, and comes back within FAR when those make it competitive. Until it has FAR_EVIDENCE timed
 # rounds it is timed on every turn: the tuned costs can be wrong, and so can one round (scratch, one
-# row: a first depth-1 round timed at 1.5x its steady time kept a whole wave at depth 0, 0.75x).
+# row: a first depth-1 round timed at 1.4x its steady time kept a whole wave at depth 0).
 FAR = 0.9
 FAR_SPACING = 8
 FAR_EVIDENCE = 3
