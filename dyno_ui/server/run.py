@@ -125,7 +125,7 @@ def run(options: ServeOptions) -> int:
         if threading.current_thread() is threading.main_thread():
             # Ctrl-C reaches every rank; rank 0 shuts down and releases this one. Interrupted itself,
             # a follower exited 130 once released, and mlx.launch then sent rank 0 a SIGTERM while it
-            # was still shutting down (a traceback from rank 0, and once a group that never ended).
+            # was still shutting down (a traceback from rank 0; likely why a group once never ended).
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:  # this rank serves nothing: it runs rank 0's rounds until released
             distributed.follow(load_model(path, **m.load_args(), split=split)[0])
