@@ -55,10 +55,11 @@ EXPLORE_RUN = 3
 # FAR_SPACING-th such turn: each of its rounds costs what it is estimated to lose, and a switch costs
 # more (the head's owed rows; scratch, 5 rows: 57 ms against a steady depth-1 round's 43). At 0.8,
 # depth 1 at 0.77 of plain's rate was timed on every turn: 0.875x of plain batching at 8 clients
-# (paired median of 12 waves, scratch), 0.997x at 0.9. Its estimate still follows acceptance and the machine's speed in
-# between, and comes back within FAR when those make it competitive. Until it has FAR_EVIDENCE timed
-# rounds it is timed on every turn: the tuned costs can be wrong, and so can one round (scratch, one
-# row: a first depth-1 round timed at 1.4x its steady time kept a whole wave at depth 0).
+# (paired median of 12 waves, scratch), 0.997x at 0.9. Its estimate still follows acceptance and the
+# machine's speed in between, and comes back within FAR when those make it competitive. Until it has
+# FAR_EVIDENCE timed rounds it is timed on every turn: the tuned costs can be wrong, and so can one
+# round (scratch, one row: a first depth-1 round timed at 1.4x its steady time kept a whole wave at
+# depth 0).
 FAR = 0.9
 FAR_SPACING = 8
 FAR_EVIDENCE = 3

@@ -39,4 +39,3 @@ def test_padding_grows_every_attention_cache(tiny_lm):
     pad_attention(trunk + head, 700)
     kv = [c for c in trunk + head if isinstance(c, KVCache)]
     assert len(kv) == 2 and all(c.offset == 700 for c in kv)
-
