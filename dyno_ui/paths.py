@@ -2,7 +2,7 @@
 
 import os
 from pathlib import Path
-from typing import Iterable, List
+from typing import Iterable, List, Union
 
 from speculative.errors import DynoError
 
@@ -10,12 +10,13 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_MODEL = ASSETS / "dyno-tiny"
 
 
-def default_model() -> Path:
-    """DYNO_MODEL if set, else the bundled dyno-tiny (an error saying so when it is absent)."""
+def default_model() -> Union[str, Path]:
+    """DYNO_MODEL if set (a folder or a Hugging Face repo id, as --model), else the bundled dyno-tiny (an error
+    saying so when it is absent)."""
     if os.environ.get("DYNO_MODEL"):
-        return Path(os.environ["DYNO_MODEL"])
+        return os.environ["DYNO_MODEL"]
     if not (BUNDLED_MODEL / "config.json").exists():
-        raise DynoError(f"the bundled model is not installed at {BUNDLED_MODEL}; pass --model PATH "
+        raise DynoError(f"the bundled model is not installed at {BUNDLED_MODEL}; pass --model PATH or REPO "
                         f"or set DYNO_MODEL")
     return BUNDLED_MODEL
 

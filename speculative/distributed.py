@@ -47,6 +47,7 @@ from .config import SamplingParams, SpecConfig
 from .errors import DynoError, one_line
 from .events import Done
 from .loader import LoadedModel, load_checkpoint
+from .model_source import resolve
 
 STRATEGIES = ("pipeline", "tensor")
 STEP_TIMEOUT = 60.0  # seconds a rank waits at one step of a generation before it gives up on the others
@@ -205,12 +206,12 @@ def load_sharded(path, strategy: str, group=None, watchdog: Optional[Watchdog] =
     """Load `path` split across `group` (default: mx.distributed.init()) with its MTP head on every
     rank; `load_kw` go to loader.load_checkpoint (mode, mtp_head, head_bits, notify, ...)."""
     group = group or mx.distributed.init()
-    config = Path(path).expanduser() / "config.json"
+    source = resolve(path, load_kw.get("notify"))  # a repo id: every rank takes it from its own cache, or downloads
     try:
-        check_split(json.loads(config.read_text()), strategy, group.size())
+        check_split(json.loads((source.folder / "config.json").read_text()), strategy, group.size())
     except (OSError, ValueError):
         pass  # load_checkpoint names what is wrong with the folder
-    lm = load_checkpoint(path, shard=shard(strategy, group), **load_kw)
+    lm = load_checkpoint(source.folder, shard=shard(strategy, group), repo_id=source.repo_id, **load_kw)
     lm.ranks = Ranks(group, strategy, watchdog, step_timeout)
     return lm
 

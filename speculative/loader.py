@@ -14,6 +14,7 @@ from .heads.find import resolve_head
 from .heads.mtp import MTPHead, build_head
 from .heads import precision
 from .heads.precision import HeadMemory
+from .model_source import ModelSource, resolve
 from .target import Target
 
 DENSE_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -37,6 +38,12 @@ class LoadedModel:
     generation_config: dict = field(default_factory=dict)
     head_memory: Optional[HeadMemory] = None  # bytes, precision and source of the head in memory
     ranks: Optional[Any] = None  # distributed.Ranks when the model is split across processes, else None
+    repo_id: Optional[str] = None  # the Hugging Face repo it was named by (or whose cache snapshot it is)
+
+    @property
+    def name(self) -> str:
+        """What the model is called in /v1/models and notices: the repo id typed, else the folder's name."""
+        return self.repo_id or self.path.name
 
     @property
     def text_config(self) -> dict:
@@ -71,9 +78,12 @@ def _read_json(path: Path, what: str) -> dict:
 
 
 def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_base: Optional[str] = None,
-               notify: Optional[Callable[[str], None]] = None, head_bits=None,
-               shard: Optional[Callable[[nn.Module], None]] = None) -> LoadedModel:
+                    notify: Optional[Callable[[str], None]] = None, head_bits=None,
+                    shard: Optional[Callable[[nn.Module], None]] = None, repo_id: Optional[str] = None) -> LoadedModel:
     """Load `path` with mlx-lm; attach its MTP head unless mode is "off".
+
+    `path` is a folder or a Hugging Face repo id (model_source.resolve: the local cache, else a
+    download); `repo_id` says which repo a folder already resolved is the snapshot of.
 
     The plain loader; `speculative.load_model` is the public recipe (this, then the draft
     vocabulary and depth, as a SpecConfig).
@@ -84,19 +94,19 @@ def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mt
     `shard` (distributed.py) splits the lazily loaded model before its weights are read.
     """
     precision.parse_head_bits(head_bits)  # a bad value fails before anything loads
-    path = Path(path).expanduser()
+    spec = path
+    if repo_id is None:
+        source = resolve(spec, notify, check_config=lambda config: _check_family(spec, config, mode))
+    else:
+        source = ModelSource(Path(path).expanduser(), repo_id)
+    path = source.folder
     if not path.exists():
         raise DynoError(f"model path not found: {path}")
     if not path.is_dir() or not (path / "config.json").exists():
         raise DynoError(f"not a model folder (no config.json): {path}")
     config = _read_json(path / "config.json", "model config")
+    family = _check_family(source.repo_id or path, config, mode)
     model_type = config.get("model_type", "")
-    family = model_type in DENSE_TYPES + MOE_TYPES
-    if mode == "mtp" and not family:
-        raise DynoError(
-            f"{path} is a {model_type or 'unknown'} model; MTP drafting needs a Qwen3.5/3.6/3.8 "
-            f"model (model_type qwen3_5 or qwen3_5_moe)"
-        )
     from mlx_lm.utils import load as mlx_lm_load
 
     overrides = {"model_type": _MLX_LM_TYPE[model_type]} if model_type in _MLX_LM_TYPE else {}
@@ -111,7 +121,7 @@ def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mt
         raise DynoError(f"cannot load model {path}: {one_line(e)}") from None
     gen_path = path / "generation_config.json"
     generation_config = _read_json(gen_path, "generation config") if gen_path.exists() else {}
-    lm = LoadedModel(path, model, tokenizer, config, None, None, None, [], generation_config)
+    lm = LoadedModel(path, model, tokenizer, config, None, None, None, [], generation_config, repo_id=source.repo_id)
 
     def note(message: str) -> None:
         lm.notices.append(message)
@@ -128,8 +138,20 @@ def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mt
         _attach_head(lm, mode, mtp_head, mtp_base, note, head_bits)
     if mode == "auto" and lm.head is None and not any("without drafts" in n for n in lm.notices):
         reason = "it is not a Qwen3.5-family model" if not family else "it has no MTP head"
-        note(f"dyno: decoding without drafts: {path.name}: {reason}")
+        note(f"dyno: decoding without drafts: {lm.name}: {reason}")
     return lm
+
+
+def _check_family(where, config: dict, mode: str) -> bool:
+    """Whether `config` is a Qwen3.5-family model; under "mtp" one that is not is an error."""
+    model_type = config.get("model_type", "")
+    family = model_type in DENSE_TYPES + MOE_TYPES
+    if mode == "mtp" and not family:
+        raise DynoError(
+            f"{where} is a {model_type or 'unknown'} model; MTP drafting needs a Qwen3.5/3.6/3.8 "
+            f"model (model_type qwen3_5 or qwen3_5_moe)"
+        )
+    return family
 
 
 def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: Optional[str], note,
@@ -152,11 +174,11 @@ def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: 
 def _find_and_build_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: Optional[str],
                          note, bits=None) -> None:
     """Resolve the head, check it fits the trunk and set lm.head; raises DynoError when it cannot."""
-    weights = resolve_head(lm.path, lm.config, note, mtp_head, mtp_base)
+    weights = resolve_head(lm.path, lm.config, note, mtp_head, mtp_base, repo_id=lm.repo_id)
     if weights is None:
         if mode == "mtp":
             raise DynoError(
-                f"no MTP head for {lm.path}: the checkpoint has no mtp.* tensors and no base "
+                f"no MTP head for {lm.repo_id or lm.path}: the checkpoint has no mtp.* tensors and no base "
                 f"model with a head was found; pass --mtp-head <folder>"
             )
         return

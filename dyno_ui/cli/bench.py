@@ -14,13 +14,13 @@ from speculative.stats import GenerationStats
 
 from ..options import ModelOptions
 from ..paths import default_model
-from .common import DRAFT_VOCAB_HELP, draft_vocab, notify
+from .common import DRAFT_VOCAB_HELP, MODEL_HELP, draft_vocab, notify
 
 
 def add_commands(sub) -> None:
     b = sub.add_parser("bench", help="measure Dyno against plain mlx-lm, side by side",
                        description="Paired, alternating runs: plain mlx-lm, Dyno off, Dyno mtp at each depth.")
-    b.add_argument("--model", help="model folder (default: the bundled dyno-tiny)")
+    b.add_argument("--model", help=MODEL_HELP)
     b.add_argument("--suite", default="code", choices=[*SUITES, "all"])
     b.add_argument("--mtp-head-bits", metavar="{16,8,4}",
                    help="precision the MTP head is kept at "
@@ -42,7 +42,7 @@ def add_commands(sub) -> None:
     b.set_defaults(func=cmd_bench)
     t = sub.add_parser("tune", help="measure the best draft depth for a model on this machine and store it",
                        description="A short paired benchmark; `--draft-depth auto` (the default) then uses its result.")
-    t.add_argument("--model", help="model folder (default: the bundled dyno-tiny)")
+    t.add_argument("--model", help=MODEL_HELP)
     t.add_argument("--max-tokens", type=int, default=120)
     t.add_argument("--pairs", type=int, default=3)
     t.add_argument("--draft-vocab", type=draft_vocab, default=ModelOptions.draft_vocab, metavar="N|auto|full", help=DRAFT_VOCAB_HELP)
@@ -85,7 +85,7 @@ def cmd_tune(args) -> int:
     widths = " ".join(f"{b} rows: {round(costs.round(b, 0) * 1e3, 1)}-{round(costs.round(b, costs.max_depth) * 1e3, 1)}ms"
                       for b in sorted(costs.verify))
     print(f"batched round (depth 0-{costs.max_depth}): {widths}")
-    print(f"stored depth {best} for {lm.path} in {tune_file()}")
+    print(f"stored depth {best} for {lm.repo_id or lm.path} in {tune_file()}")
     return 0
 
 
@@ -128,7 +128,7 @@ def cmd_bench(args) -> int:
     vocab = spec.draft_vocab  # auto: the N it picks for this model (None: full)
     auto = spec.draft_depth if "auto" in names else None
     suites = list(SUITES) if args.suite == "all" else [args.suite]
-    record = {"machine": _machine(), "model": str(lm.path), "quantization": lm.config.get("quantization"),
+    record = {"machine": _machine(), "model": lm.repo_id or str(lm.path), "quantization": lm.config.get("quantization"),
               "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "settings": {"depths": depths, "auto_depth": auto, "temps": args.temp, "max_tokens": args.max_tokens, "pairs": args.pairs,
                            "top_p": args.top_p, "top_k": args.top_k, "draft_vocab": args.draft_vocab,
@@ -284,7 +284,7 @@ def cmd_concurrent(args) -> int:
     pool = [item for suite in (SUITES if args.suite == "all" else [args.suite]) for item in SUITES[suite]]
     params = SamplingParams(temperature=args.temp[0], top_p=args.top_p if args.temp[0] else 1.0,
                             top_k=args.top_k if args.temp[0] else 0, max_tokens=args.max_tokens, seed=0)
-    record = {"machine": _machine(), "model": str(lm.path), "quantization": lm.config.get("quantization"),
+    record = {"machine": _machine(), "model": lm.repo_id or str(lm.path), "quantization": lm.config.get("quantization"),
               "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "settings": {"concurrency": widths, "suite": args.suite, "temperature": args.temp[0],
                            "max_tokens": args.max_tokens, "pairs": args.pairs, "draft_depth": args.draft_depth,

@@ -8,6 +8,8 @@ from speculative.config import MAX_DRAFT_DEPTH, MODES
 
 from ..options import ModelOptions
 
+MODEL_HELP = ("model folder or Hugging Face repo id (ORG/NAME: the local Hugging Face cache, else downloaded; "
+              "HF_HUB_OFFLINE=1 prevents that); default: $DYNO_MODEL, else the bundled dyno-tiny")
 HEAD_BITS_HELP = ("precision the MTP head is kept at in memory: 16 (as stored), 8 or 4 (its linear layers "
                   "quantized at load, group 64); default: follow the trunk (docs/heads.md, Head memory)")
 
@@ -44,7 +46,7 @@ def draft_vocab(value: str):
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model folder (default: the bundled dyno-tiny, or $DYNO_MODEL)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--speculative", choices=MODES, default=ModelOptions.speculative,
                    help="auto: draft when the model has an MTP head; mtp: require one; off: plain decoding "
                         "(default: %(default)s)")

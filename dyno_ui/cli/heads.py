@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from speculative.errors import DynoError
 
 from ..paths import local_folders
 from .common import notify
@@ -22,7 +23,9 @@ def add_commands(sub) -> None:
     lst.set_defaults(func=cmd_head_list)
     head.set_defaults(func=lambda args: (head.print_help(), 2)[1])
     models = sub.add_parser("models", help="list local models and their MTP head status")
-    models.add_argument("folders", nargs="*", help="model folders to include besides the Hugging Face cache")
+    models.add_argument("folders", nargs="*", metavar="MODEL",
+                        help="model folders (or repo ids already in the Hugging Face cache) to include besides "
+                             "the Hugging Face cache")
     models.set_defaults(func=cmd_models)
 
 
@@ -79,10 +82,23 @@ def _table(header, rows) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
+def _folder(model: str) -> Path:
+    """The folder of a `dyno models` argument: a path, or a repo id's snapshot in the cache (listing never downloads)."""
+    from speculative.model_source import cached, is_repo_id
+
+    if not is_repo_id(model):
+        return Path(model).expanduser()
+    found = cached(model)
+    if found is None:
+        raise DynoError(f"{model} is not in the local Hugging Face cache; `dyno generate --model {model}` "
+                        f"downloads it")
+    return found
+
+
 def cmd_models(args) -> int:
     from speculative.heads.store import local_models
 
-    rows = local_models(local_folders([Path(f).expanduser() for f in args.folders]), notify)
+    rows = local_models(local_folders([_folder(f) for f in args.folders]), notify)
     if not rows:
         print("no Qwen3.5-family models found")
         return 0

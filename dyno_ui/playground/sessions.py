@@ -14,6 +14,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 from speculative.config import SamplingParams, SpecConfig
 from speculative.errors import DynoError
+from speculative.model_source import ModelSource, cache_repo_id, is_repo_id
 
 from ..paths import local_folders
 from ..runtime.keys import key_matches
@@ -62,7 +63,7 @@ class Sessions:
         """The job's speculation; `mtp` on a model without a head is the user's error."""
         lm = lm or self.lm
         if mode == "mtp" and lm.head is None:
-            raise DynoError(f"{lm.path.name} has no MTP head: choose auto or off, or fetch a head")
+            raise DynoError(f"{lm.name} has no MTP head: choose auto or off, or fetch a head")
         return SpecConfig(mode, int(depth), details=bool(details))
 
     def chat_prompt(self, messages: Sequence[dict], thinking: bool, lm=None) -> List[int]:
@@ -148,21 +149,22 @@ class Sessions:
                             "sign in to the playground with it")
 
     def load(self, path: str, notify: Callable[[str], None], head_bits=None, key: Optional[str] = None):
-        """A Future of the model at `path` replacing the served one (loaded on the engine thread), its
-        head kept at `head_bits` (16, 8, 4; None or "auto": follow the trunk); `key`: the server's API key."""
+        """A Future of the model at `path` (a folder or a Hugging Face repo id, downloaded if need be) replacing
+        the served one (loaded on the engine thread), its head kept at `head_bits` (16, 8, 4; None or "auto":
+        follow the trunk); `key`: the server's API key."""
         from speculative import load_model
         from speculative.heads.precision import parse_head_bits
 
         self.authorize(key)
         parse_head_bits(head_bits)  # a bad value fails here, not on the engine thread
-        folder = Path(path).expanduser()
+        path = str(path).strip()
 
         def load():
-            return load_model(folder, notify=notify, head_bits=head_bits)  # the defaults, as `dyno serve`'s
+            return load_model(path, notify=notify, head_bits=head_bits)  # the defaults, as `dyno serve`'s
 
         # Until the swap, API requests get a 503 "model loading"; one checked against the old model
         # but queued after the swap is failed by the worker (Job.lm), never served by the new one.
-        self.served.loading = folder.name
+        self.served.loading = ModelSource(Path(path).expanduser(), path if is_repo_id(path) else cache_repo_id(path)).name
         try:
             future = self.served.worker.replace_model(load)
         except BaseException:
@@ -204,4 +206,4 @@ class Sessions:
         memory = lm.head_memory
         head = (f"MTP head: {format_bytes(memory.bytes)}, {memory.precision}, from `{memory.source}`, draft depth "
                 f"{worker.spec.draft_depth}") if memory is not None else "no MTP head: plain decoding"
-        return f"**{lm.path.name}** · `{lm.path}`  \n{head}  \n{mlx_mem} · process peak RSS {rss:.0f} MiB"
+        return f"**{lm.name}** · `{lm.path}`  \n{head}  \n{mlx_mem} · process peak RSS {rss:.0f} MiB"

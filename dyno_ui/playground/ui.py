@@ -203,7 +203,7 @@ def _chat_tab(s: Sessions, d) -> dict:
             spec = s.spec(mode, depth, lm, details)
         except DynoError as e:
             _fail(e)
-        meta = {"model": lm.path.name, "prompt": history[-1]["content"],
+        meta = {"model": lm.name, "prompt": history[-1]["content"],
                 "settings": {"speculative": mode, "draft depth": int(depth), "details": bool(details),
                              **{k: v for k, v in zip(SAMPLING, values)}}}
         charted = 0.0
@@ -361,7 +361,7 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
             raise gr.Error(f"runs must be from 1 to {MAX_REPEATS}, got {runs_wanted}")
         lm = s.lm  # one model for every run
         if lm.head is None:
-            raise gr.Error(f"{lm.path.name} has no MTP head: nothing to compare")
+            raise gr.Error(f"{lm.name} has no MTP head: nothing to compare")
         try:
             ids = s.chat_prompt([{"role": "user", "content": text}], False, lm)
             params = s.params(*values, prompt_len=len(ids), lm=lm)
@@ -389,7 +389,7 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
         median = statistics.median(speedups) if speedups else None
         if median is not None and median < 1 and spec.tokens_per_round:
             why = _cost_note(s, lm, ids, int(depth), spec.tokens_per_round, median)
-        meta = {"model": lm.path.name, "prompt": text, "settings": {
+        meta = {"model": lm.name, "prompt": text, "settings": {
             "draft depth": int(depth), "auto depth": auto_depth, "runs": len(pairs),
             **{k: v for k, v in zip(SAMPLING, values)}}}
         s.keep(_session(request), "race", (spec, plain, result + why, meta,
@@ -430,13 +430,13 @@ def _cost_note(s: Sessions, lm, ids: List[int], depth: int, tokens_per_round: fl
         costs = s.on_engine(lambda: cost_model(lm, ids, [depth], reps=5, burst=1), timeout=60)
     except Exception as e:  # the race stands without the explanation
         return f'<div class="dyno-race-note">Drafting lost here; the cost model could not time it ({html.escape(str(e))}).</div>'
-    return f'<div class="dyno-race-note">{html.escape(render.cost_note(lm.path.name, costs, depth, tokens_per_round, measured))}</div>'
+    return f'<div class="dyno-race-note">{html.escape(render.cost_note(lm.name, costs, depth, tokens_per_round, measured))}</div>'
 
 
 def _models_tab(s: Sessions, chat: dict) -> dict:
     current = gr.Markdown(elem_id="current-model")
     with gr.Row():
-        folder = gr.Textbox(label="Model folder (or pick one below)", scale=4, elem_id="model-folder")
+        folder = gr.Textbox(label="Model folder or Hugging Face repo id (or pick one below)", scale=4, elem_id="model-folder")
         refresh = gr.Button("Scan", scale=1)
     table = gr.Dataframe(headers=["model", "type", "MTP head"], interactive=False, elem_id="models-table",
                          wrap=True)
@@ -472,7 +472,7 @@ def _models_tab(s: Sessions, chat: dict) -> dict:
 
     def do_load(path, bits, request: gr.Request, progress=gr.Progress()):
         if not path:
-            raise gr.Error("Type or pick a model folder")
+            raise gr.Error("Type a model folder or a Hugging Face repo id, or pick one")
         notes: List[str] = []
         progress(0, desc="queued behind running generations")
         try:
@@ -480,12 +480,12 @@ def _models_tab(s: Sessions, chat: dict) -> dict:
         except DynoError as e:
             _fail(e)
         d = s.defaults()
-        return (f"Loaded {lm.path.name}.", s.describe(), d.temperature, d.top_p, d.top_k, d.min_p,
+        return (f"Loaded {lm.name}.", s.describe(), d.temperature, d.top_p, d.top_k, d.min_p,
                 s.served.worker.spec.draft_depth)
 
     def do_fetch(path, bits, request: gr.Request, progress=gr.Progress()):
         if not path:
-            raise gr.Error("Type or pick a model folder")
+            raise gr.Error("Type a model folder or a Hugging Face repo id, or pick one")
         try:
             notes: List[str] = []
             target, base, memory = wait(s.fetch_head(path, notes.append, bits, key=_signed_key(s, request)), progress,

@@ -39,13 +39,13 @@ class ServedModel:
     _swap: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def replace(self, lm: LoadedModel) -> None:
-        """Serve `lm` (named by its folder) from now on; the worker already runs it."""
+        """Serve `lm` (named as it was typed: repo id or folder name) from now on; the worker already runs it."""
         with self._swap:
-            self.lm, self.id = lm, lm.path.name
+            self.lm, self.id = lm, lm.name
 
     @property
     def ids(self) -> List[str]:
-        """Every id a request may name: the served model's folder name, then the --served-model-name ones."""
+        """Every id a request may name: the served model's name, then the --served-model-name ones."""
         return [self.id] + [n for n in self.names if n != self.id]
 
     def current(self, requested: Optional[str]) -> Tuple[str, LoadedModel]:

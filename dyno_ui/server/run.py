@@ -145,7 +145,7 @@ def run(options: ServeOptions) -> int:
                           max_batch_memory=options.max_batch_memory,
                           depth_policy=lambda lm, spec: resolve_policy(lm, m.draft_depth, spec.draft_vocab))
     lm = worker.start()  # notices were printed while loading
-    served = ServedModel(id=lm.path.name, lm=lm, worker=worker, default_max_tokens=options.max_tokens_default,
+    served = ServedModel(id=lm.name, lm=lm, worker=worker, default_max_tokens=options.max_tokens_default,
                          created=int(time.time()), names=options.served_model_names,
                          reasoning_budget=options.reasoning_budget)
     sock = listen(options.host, options.port)

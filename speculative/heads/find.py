@@ -312,7 +312,7 @@ def read_cached_head(folder: Path) -> HeadWeights:
 
 
 def resolve_head(model_folder: Path, config: dict, notify: Notify, mtp_head: Optional[str] = None,
-                 mtp_base: Optional[str] = None) -> Optional[HeadWeights]:
+                 mtp_base: Optional[str] = None, repo_id: Optional[str] = None) -> Optional[HeadWeights]:
     """The head for a model, or None; caches what it extracts or downloads."""
     if mtp_head:
         return read_head_folder(Path(mtp_head).expanduser())

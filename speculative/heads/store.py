@@ -7,6 +7,7 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 from . import find
 from ..errors import DynoError
+from ..model_source import label
 
 Notify = Callable[[str], None]
 _FLOATS = {"BF16": (2, "bfloat16"), "F16": (2, "float16"), "F32": (4, "float32")}  # itemsize, name
@@ -98,7 +99,8 @@ def head_status(folder: Path, config: dict, hub: find.Hub) -> str:
 
 
 def local_models(folders: Iterable[Path], notify: Notify) -> List[Tuple[str, str, str]]:
-    """(folder, model_type, head status) of the Qwen3.5-family models among `folders`."""
+    """(model, model_type, head status) of the Qwen3.5-family models among `folders`; a model is named as
+    `--model` takes it: the repo id for the Hugging Face cache's current snapshot, else its folder."""
     hub = find.Hub(notify)
     rows = []
     for folder in folders:
@@ -110,5 +112,5 @@ def local_models(folders: Iterable[Path], notify: Notify) -> List[Tuple[str, str
             status = head_status(folder, config, hub)
         except DynoError as e:  # one broken folder is reported in its row, never the whole listing
             status = f"unknown ({e.message})"
-        rows.append((str(folder), model_type, status))
+        rows.append((label(folder), model_type, status))
     return rows

@@ -37,12 +37,13 @@ def test_the_bundled_model_is_listed_once_however_it_is_spelled(tmp_path, monkey
 
 
 def test_hugging_face_cache_models_are_listed_once_each(tmp_path):
-    """`dyno models` on a Hugging Face cache holding a copy of dyno-tiny, that folder also given by hand."""
+    """`dyno models` on a Hugging Face cache holding a copy of dyno-tiny, that folder also given by hand and by
+    its repo id; it is listed by its repo id, as `--model` takes it."""
     snap = _snapshot(tmp_path / "hf", "org/tiny-copy", BUNDLED_MODEL)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_"))}
     env.update(HF_HUB_CACHE=str(tmp_path / "hf"), DYNO_CACHE=str(tmp_path / "dyno"), HF_HUB_OFFLINE="1")
-    r = dyno("models", str(snap), env=env)
+    r = dyno("models", str(snap), "org/tiny-copy", env=env)
     assert r.returncode == 0, r.stderr
     rows = [line.split() for line in r.stdout.splitlines()[1:]]
-    assert [Path(row[0]) for row in rows] == [BUNDLED_MODEL, snap], r.stdout
+    assert [row[0] for row in rows] == [str(BUNDLED_MODEL), "org/tiny-copy"], r.stdout
     assert all(row[1:] == ["qwen3_5", "in", "checkpoint"] for row in rows), r.stdout
