@@ -138,8 +138,8 @@ def synopses():
                     continue
                 command = []
                 for word in words:
-                    if word.startswith(("[", "-")) or word.isupper() or word == "#":
-                        break
+                    if word.startswith(("[", "-")) or word.isupper() or word == "#" or "/" in word:
+                        break  # a flag, a placeholder, a comment, or an argument (a path or a repo id)
                     command.append(word)
                 found.append((page.relative_to(ROOT).as_posix(), tuple(command),
                               sorted(set(re.findall(r"(--[a-z][\w-]*)", entry)))))
