@@ -27,7 +27,7 @@ def parse_size(value, what: str = "size") -> Optional[int]:
 class ModelOptions:
     """Which model to load and how to draft with it (the flags `generate`, `serve` and `app.py` share)."""
 
-    model: Union[str, Path, None] = None  # a folder or a Hugging Face repo id; None: $DYNO_MODEL, else the bundled dyno-tiny
+    model: Union[str, Path, None] = None  # a folder or a Hugging Face repo id; None: $DYNO_MODEL, else dyno-tiny
     speculative: str = SpecConfig.mode
     draft_depth: Union[int, str] = "auto"
     draft_vocab: Union[int, str, None] = "auto"  # N, "auto" (draft_vocab.resolve picks N) or None: full

@@ -53,15 +53,16 @@ def cache_repo_id(folder) -> Optional[str]:
 
 def label(folder: Path) -> str:
     """How a listing shows a local model: the repo id for the snapshot `--model ORG/NAME` loads, else the path."""
-    repo = cache_repo_id(folder)
+    repo, folder = cache_repo_id(folder), Path(folder)
     try:
-        current = repo is not None and (Path(folder).parent.parent / "refs" / "main").read_text().strip() == Path(folder).name
+        current = repo is not None and (folder.parent.parent / "refs" / "main").read_text().strip() == folder.name
     except OSError:
         current = False
     return repo if current else str(folder)
 
 
-def resolve(spec, notify: Optional[Notify] = None, check_config: Optional[Callable[[dict], None]] = None) -> ModelSource:
+def resolve(spec, notify: Optional[Notify] = None,
+            check_config: Optional[Callable[[dict], None]] = None) -> ModelSource:
     """The folder `spec` names: a local path as it is, a repo id from the cache or downloaded.
 
     `check_config` sees a repo's config.json before its weights are downloaded (a model that cannot

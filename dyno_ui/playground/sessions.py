@@ -164,7 +164,8 @@ class Sessions:
 
         # Until the swap, API requests get a 503 "model loading"; one checked against the old model
         # but queued after the swap is failed by the worker (Job.lm), never served by the new one.
-        self.served.loading = ModelSource(Path(path).expanduser(), path if is_repo_id(path) else cache_repo_id(path)).name
+        repo = path if is_repo_id(path) else cache_repo_id(path)
+        self.served.loading = ModelSource(Path(path).expanduser(), repo).name  # as /v1/models will name it
         try:
             future = self.served.worker.replace_model(load)
         except BaseException:

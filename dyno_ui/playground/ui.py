@@ -436,7 +436,8 @@ def _cost_note(s: Sessions, lm, ids: List[int], depth: int, tokens_per_round: fl
 def _models_tab(s: Sessions, chat: dict) -> dict:
     current = gr.Markdown(elem_id="current-model")
     with gr.Row():
-        folder = gr.Textbox(label="Model folder or Hugging Face repo id (or pick one below)", scale=4, elem_id="model-folder")
+        folder = gr.Textbox(label="Model folder or Hugging Face repo id (or pick one below)", scale=4,
+                            elem_id="model-folder")
         refresh = gr.Button("Scan", scale=1)
     table = gr.Dataframe(headers=["model", "type", "MTP head"], interactive=False, elem_id="models-table",
                          wrap=True)

@@ -115,13 +115,39 @@ def test_a_repo_that_cannot_be_used_is_one_line_and_status_2(hub, in_process, ca
     assert not any(p.endswith(".safetensors") for _, r, p, _ in hub.requests if r == repo)  # refused before the weights
 
 
-def test_offline_and_not_cached(hub, in_process, capsys):
+@pytest.mark.parametrize("cached", [(), ("config.json", "README.md")], ids=["nothing", "card-and-config"])
+def test_offline_and_not_cached(hub, in_process, capsys, cache, cached):
+    """Nothing cached, or only what looking for a head fetches one by one: no model to load offline."""
+    snapshot = cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / hub.repos[REPO][1]
+    for name in cached:
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).write_bytes((ASSETS / "dyno-tiny-mlx" / name).read_bytes())
+        (snapshot.parent.parent / "refs").mkdir(exist_ok=True)
+        (snapshot.parent.parent / "refs" / "main").write_text(hub.repos[REPO][1])
     in_process()
     assert main(generate()) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"dyno: error: {REPO} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 prevents downloading it; "
         f"unset HF_HUB_OFFLINE to download it, or pass a local folder"]
     assert hub.requests == []
+
+
+def test_an_unreachable_hub_is_one_line():
+    """What huggingface_hub raises when the Hub cannot be reached (its retries take 20 s, so not run here)."""
+    import httpx
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from speculative.model_source import hub_error
+
+    try:
+        try:
+            raise httpx.ConnectError("[Errno 111] Connection refused")
+        except httpx.ConnectError as cause:
+            raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub") from cause
+    except LocalEntryNotFoundError as e:
+        assert hub_error(REPO, e).message == (
+            f"cannot reach the Hugging Face Hub to download {REPO} ([Errno 111] Connection refused); check the "
+            f"connection, or set HF_HUB_OFFLINE=1 to use only the local cache")
 
 
 def test_the_name_typed_is_the_name_served(hub, in_process, tiny_dir, monkeypatch):
