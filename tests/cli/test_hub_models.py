@@ -132,6 +132,18 @@ def test_offline_and_not_cached(hub, in_process, capsys, cache, cached):
     assert hub.requests == []
 
 
+def test_head_pull_and_models_take_a_repo_id(hub, in_process, capsys, tmp_path):
+    """`dyno head pull ORG/NAME` fetches only the head (the model's weights stay on the Hub); `dyno models ORG/NAME`
+    lists from the cache only, so a repo not downloaded is one line."""
+    assert main(["head", "pull", REPO]) == 0
+    head = tmp_path / "dyno" / "mtp" / "dyno-project--dyno-tiny"
+    assert capsys.readouterr().out.startswith(f"MTP head of dyno-project/dyno-tiny: {head} (")
+    assert not any(p == "model.safetensors" for _, r, p, _ in hub.requests if r == REPO)
+    assert main(["models", REPO]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"dyno: error: {REPO} is not in the local Hugging Face cache; `dyno generate --model {REPO}` downloads it"]
+
+
 def test_an_unreachable_hub_is_one_line():
     """What huggingface_hub raises when the Hub cannot be reached (its retries take 20 s, so not run here)."""
     import httpx
