@@ -1,6 +1,7 @@
 """Dyno's engine: exact MTP speculative decoding for Qwen3.5-family models on MLX.
 
     lm, spec = load_model("path/to/model")    # trunk + MTP head, draft vocabulary and depth settled
+    # (a folder, or a Hugging Face repo id such as "mlx-community/Qwen3.6-27B-4bit": cached, else downloaded)
     for event in generate(lm, prompt_ids, SamplingParams(), spec):
         ...                                   # Token (with provenance), Round, then Done
 
