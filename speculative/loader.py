@@ -72,7 +72,7 @@ def _read_json(path: Path, what: str) -> dict:
 
 def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mtp_base: Optional[str] = None,
                notify: Optional[Callable[[str], None]] = None, head_bits=None,
-               shard: Optional[Callable[[nn.Module], None]] = None) -> LoadedModel:
+               shard: Optional[Callable[[nn.Module], None]] = None, repo_id: Optional[str] = None) -> LoadedModel:
     """Load `path` with mlx-lm; attach its MTP head unless mode is "off".
 
     The plain loader; `speculative.load_model` is the public recipe (this, then the draft
@@ -82,6 +82,7 @@ def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mt
     `MTP head: ...` memory line); they are also kept in `notices`. `head_bits` (16, 8, 4, or
     None/"auto": follow the trunk, see heads/precision.py) is the precision the head is kept at.
     `shard` (distributed.py) splits the lazily loaded model before its weights are read.
+    `repo_id` is the name the model was loaded by (e.g. mlx-community/...): its card names the original.
     """
     precision.parse_head_bits(head_bits)  # a bad value fails before anything loads
     path = Path(path).expanduser()
@@ -125,7 +126,7 @@ def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mt
     if family:
         lm.target = Target(model)
     if mode != "off" and family:
-        _attach_head(lm, mode, mtp_head, mtp_base, note, head_bits)
+        _attach_head(lm, mode, mtp_head, mtp_base, note, head_bits, repo_id)
     if mode == "auto" and lm.head is None and not any("without drafts" in n for n in lm.notices):
         reason = "it is not a Qwen3.5-family model" if not family else "it has no MTP head"
         note(f"dyno: decoding without drafts: {path.name}: {reason}")
@@ -133,11 +134,11 @@ def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mt
 
 
 def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: Optional[str], note,
-                 bits=None) -> None:
+                 bits=None, repo_id: Optional[str] = None) -> None:
     """Find the head (see heads.find.resolve_head), check it fits, build it; a head that cannot be
     used is a notice in "auto" and one DynoError line in "mtp", never a traceback."""
     try:
-        _find_and_build_head(lm, mode, mtp_head, mtp_base, note, bits)
+        _find_and_build_head(lm, mode, mtp_head, mtp_base, note, bits, repo_id)
         return
     except DynoError as e:
         error = e
@@ -150,9 +151,9 @@ def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: 
 
 
 def _find_and_build_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: Optional[str],
-                         note, bits=None) -> None:
+                         note, bits=None, repo_id: Optional[str] = None) -> None:
     """Resolve the head, check it fits the trunk and set lm.head; raises DynoError when it cannot."""
-    weights = resolve_head(lm.path, lm.config, note, mtp_head, mtp_base)
+    weights = resolve_head(lm.path, lm.config, note, mtp_head, mtp_base, repo_id)
     if weights is None:
         if mode == "mtp":
             raise DynoError(
