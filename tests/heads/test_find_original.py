@@ -117,3 +117,39 @@ def test_nothing_found_says_what_was_tried(offline_cache):
         f"dyno: decoding without drafts: no MTP head for {MLX_REPO}: it has no mtp.* tensors; "
         f"card of {MLX_REPO}: not in the Hugging Face cache (offline); config hints: none; "
         f"base_model chain: none; shape table: no match; pass --mtp-head <folder>"]
+
+
+def test_the_name_typed_finds_the_card(offline_cache, tmp_path):
+    """A conversion in a plain folder, loaded by the name the user typed: that repo's card (here in the
+    Hugging Face cache, offline) names the original, whose full checkpoint is cached too."""
+    card = snapshot(offline_cache, MLX_REPO, CONVERSION, readme=True)
+    for name in os.listdir(card):
+        if name != "README.md":
+            (card / name).unlink()  # only the card is cached for the conversion's repo
+    snapshot(offline_cache, BASE, ORIGINAL, "1" * 40)
+    model = tmp_path / "converted"
+    shutil.copytree(CONVERSION, model, ignore=shutil.ignore_patterns("README.md"))
+    assert load_checkpoint(model).head is None  # without the name: nothing names the original
+    lm = load_checkpoint(model, repo_id=MLX_REPO)
+    assert lm.head is not None and lm.head_source.startswith(str(tmp_path / "dyno" / "mtp")), lm.notices
+
+
+OFFICIAL = {f"Qwen/Qwen3.5-{s}" for s in ("0.8B", "2B", "4B", "9B", "27B", "35B-A3B", "122B-A10B", "397B-A17B")} | {
+    "Qwen/Qwen3.6-27B", "Qwen/Qwen3.6-35B-A3B", "Qwen/Qwen3.8-27B"}
+
+
+def test_the_release_table_holds_the_official_releases_and_agrees_with_the_recorded_shapes():
+    """Every official release once, with sources; each shape recorded in speculative/measure/shapes
+    matches its own release (and only releases of the same size)."""
+    from speculative.measure import shapes
+
+    table = find.releases()
+    assert sorted(r["repo"] for r in table) == sorted(OFFICIAL)
+    assert all(r["sources"] and isinstance(r["uncertain"], list) and r["shape"]["vocab_size"] == 248320
+               for r in table)
+    for name in shapes.names():
+        record = shapes.load(name)
+        matched = find.shape_matches({"text_config": record["text_config"]})
+        assert record["repo"] in matched, name
+        size = record["repo"].split("-", 1)[1]
+        assert all(m.split("-", 1)[1] == size for m in matched), (name, matched)
