@@ -2,7 +2,8 @@
 
 Resolution, first hit wins: --mtp-head DIR > the model's own mtp.* tensors > the Dyno cache >
 the original checkpoint in the local Hugging Face cache (only the mtp.* tensors are read) > a
-download of only the head's byte ranges from the original repository > none.
+download of only the head's byte ranges from the original repository > none (a DynoError that
+says what was tried).
 
 The original is named by --mtp-base, else found (find_base) from the model card's base_model chain
 (the card in the folder, else the card of the model's own repo: its Hugging Face cache path or the
@@ -13,8 +14,8 @@ import hashlib
 import json
 import os
 import re
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..errors import DynoError, one_line
