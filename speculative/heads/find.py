@@ -2,13 +2,19 @@
 
 Resolution, first hit wins: --mtp-head DIR > the model's own mtp.* tensors > the Dyno cache >
 the original checkpoint in the local Hugging Face cache (only the mtp.* tensors are read) > a
-download of only the head's byte ranges from the original repository > none.
+download of only the head's byte ranges from the original repository > none (a DynoError that
+says what was tried).
+
+The original is named by --mtp-base, else found (find_base) from the model card's base_model chain
+(the card in the folder, else the card of the model's own repo: its Hugging Face cache path or the
+name typed), config hints, and last the table of official releases matched by the config's shape.
 """
 
 import hashlib
 import json
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -19,6 +25,7 @@ from .tensors import INDEX, check_table, checkpoint_files, decode, read_index
 PROMISE = "Set HF_HUB_OFFLINE=1 to prevent the download, or pass --mtp-head <folder>."
 MAX_CHAIN = 6  # base_model hops before giving up (fine-tune -> quantized -> ... -> original)
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+RELEASE_TABLES = [Path(__file__).with_name("releases.json")]  # official releases by shape, with sources
 Notify = Callable[[str], None]
 
 
@@ -116,28 +123,142 @@ class Hub:
         return bool(wm and _mtp_names(wm))
 
 
-def find_base(model_folder: Path, config: dict, hub: Hub, mtp_base: Optional[str] = None) -> Optional[str]:
-    """The repository whose index ships mtp.* tensors for this model: --mtp-base, else the
-    model card's base_model chain (fine-tunes, abliterated and quantized versions), else config hints."""
+@dataclass
+class Trail:
+    """What find_base looked at, in order, for the notice when it finds no head; `by_shape` names the
+    release the shape table picked (no card or hint named it), so the caller can say it was a match."""
+
+    label: str  # the model as the user knows it: its repo id, else its folder's name
+    steps: List[str] = field(default_factory=list)
+    by_shape: Optional[str] = None
+    candidates_here: bool = False  # shape-table candidates whose heads are here: --mtp-base works offline
+
+    def not_found(self) -> DynoError:
+        """No head anywhere: what was tried, and the one flag that fixes it."""
+        fix = ("--mtp-base ORG/NAME (the original checkpoint)" if self.candidates_here or not offline()
+               else "--mtp-head <folder>")
+        return DynoError(f"no MTP head for {self.label}: it has no mtp.* tensors; {'; '.join(self.steps)}; "
+                         f"pass {fix}")
+
+
+def snapshot_repo(folder: Path) -> Optional[str]:
+    """The repo id of a Hugging Face cache snapshot (.../models--ORG--NAME/snapshots/<rev>), else None."""
+    for path in (folder, folder.resolve()):
+        cache_name = path.parent.parent.name
+        if path.parent.name == "snapshots" and cache_name.startswith("models--"):
+            repo = cache_name[len("models--"):].replace("--", "/")  # huggingface_hub's own folder naming
+            return repo if _REPO_ID.match(repo) else None
+    return None
+
+
+def own_repo(model_folder: Path, repo_id: Optional[str] = None) -> Optional[str]:
+    """The model's own repo id: from its Hugging Face cache path, else the name it was loaded by."""
+    return snapshot_repo(model_folder) or (repo_id if repo_id and _REPO_ID.match(repo_id) else None)
+
+
+def releases() -> List[dict]:
+    """The official releases with an MTP head: repo, the config figures that identify it, sources."""
+    table = []
+    for path in RELEASE_TABLES:
+        table += json.loads(Path(path).read_text())["releases"]
+    return table
+
+
+def shape_matches(config: dict) -> List[str]:
+    """The releases whose every listed figure agrees with this config (table order)."""
+    text = config.get("text_config", config)
+    have = dict(text, moe=bool(text.get("num_experts")))
+    return [r["repo"] for r in releases() if all(have.get(k) == v for k, v in r["shape"].items())]
+
+
+def _head_here(repo: str, hub: Hub) -> bool:
+    """Whether the head of `repo` is on this machine (Dyno cache or HF cache), without the network."""
+    try:
+        return cached_head_path(repo).exists() or hf_cache_has_head(repo, hub)
+    except DynoError:  # a broken cached index: not a head to pick by shape
+        return False
+
+
+def _by_shape(config: dict, hub: Hub, trail: Trail) -> Optional[str]:
+    """The last resort: the official release of this shape. One match is taken (fetched when
+    online). Several (Qwen3.5-, 3.6- and 3.8-27B share a shape, not their weights) are taken only
+    when exactly one of them has its head on this machine: that the user fetched it is the only
+    evidence there is. A wrong head would cost acceptance, never exactness, but downloading 0.85 GB
+    on a guess is not honest: the notice names the candidates instead."""
+    candidates = shape_matches(config)
+    here = [c for c in candidates if _head_here(c, hub)]
+    if len(here) == 1:
+        trail.by_shape = here[0]
+        return here[0]
+    if len(candidates) == 1 and not here and not offline() and hub.ships_head(candidates[0]):
+        trail.by_shape = candidates[0]
+        return candidates[0]
+    trail.candidates_here = bool(here)
+    if not candidates:
+        why = "no match"
+    elif here:
+        why = f"{', '.join(candidates)} match, {len(here)} with a head here"
+    elif len(candidates) > 1:
+        why = f"{', '.join(candidates)} match, none with a head here"
+    else:
+        why = f"{candidates[0]} matches, " + ("its head is not here" if offline() else "its index has no mtp.* tensors")
+    trail.steps.append(f"shape table: {why}")
+    return None
+
+
+def _own_card(model_folder: Path, own: Optional[str], hub: Hub, trail: Trail) -> List[str]:
+    """The base_model entries of the model's card: its README.md, else its repo's card (a few KB,
+    fetched when online): mlx-lm downloads no README.md, and mlx_lm.convert drops _name_or_path."""
+    readme = model_folder / "README.md"
+    if readme.exists():
+        where, card = "card (README.md)", readme
+    elif own:
+        where = f"card of {own}"
+        try:  # offline: the cached card only, and a repo not looked into is not a base that was missed
+            card = hub.cached(own, "README.md") if offline() else hub.file(own, "README.md")
+        except DynoError as e:  # the network failing costs this step, not the shape table after it
+            trail.steps.append(f"{where}: {e.message}")
+            return []
+    else:
+        trail.steps.append("card: none (no README.md, no repo id)")
+        return []
+    bases = card_base_models(card) if card is not None else []
+    state = ("base_model " + ", ".join(bases) if bases else "no base_model" if card is not None
+             else "not in the Hugging Face cache (offline)" if offline() else "none")
+    trail.steps.append(f"{where}: {state}")
+    return bases
+
+
+def find_base(model_folder: Path, config: dict, hub: Hub, mtp_base: Optional[str] = None,
+              repo_id: Optional[str] = None, trail: Optional[Trail] = None) -> Optional[str]:
+    """The repository whose index ships mtp.* tensors for this model: --mtp-base, else the model
+    card's base_model chain (fine-tunes, abliterated and quantized versions), else config hints,
+    else the table of official releases matched by the config's shape. `repo_id` is the name the
+    model was loaded by (a snapshot's own path says it too); `trail` collects what was tried."""
     if mtp_base:
         return mtp_base
-    frontier = card_base_models(model_folder / "README.md") + config_hints(config)
-    seen = set()
+    own = own_repo(model_folder, repo_id)
+    trail = trail if trail is not None else Trail(own or model_folder.name)
+    hints = config_hints(config)
+    frontier = _own_card(model_folder, own, hub, trail) + hints
+    trail.steps.append(f"config hints: {', '.join(hints) or 'none'}")
+    seen: List[str] = []
     for _ in range(MAX_CHAIN):
         next_frontier = []
         for repo in frontier:
             if repo in seen:
                 continue
-            seen.add(repo)
+            seen.append(repo)
             if cached_head_path(repo).exists() or hub.ships_head(repo):
                 return repo
             card = hub.file(repo, "README.md")
             if card is not None:
                 next_frontier += card_base_models(card)
         if not next_frontier:
-            return None
+            break
         frontier = next_frontier
-    return None
+    trail.steps.append(f"base_model chain: {', '.join(seen) + ': no mtp.* tensors' if seen else 'none'}")
+    return _by_shape(config, hub, trail)
 
 
 def extract_from_hf_cache(repo: str, hub: Hub) -> Optional[HeadWeights]:
@@ -296,9 +417,9 @@ def _get_range(session, url: str, headers: dict, start: int, end: int, bar=None)
     return bytes(buf)
 
 
-def _offline_error(model_folder: Path, repos: List[str]) -> DynoError:
+def _offline_error(label: str, repos: List[str]) -> DynoError:
     return DynoError(
-        f"no MTP head for {model_folder.name}: looked for {', '.join(repos)} in {cached_heads_dir()} and in "
+        f"no MTP head for {label}: looked for {', '.join(repos)} in {cached_heads_dir()} and in "
         f"the Hugging Face cache; HF_HUB_OFFLINE=1 prevents downloading it. Pass --mtp-head <folder>."
     )
 
@@ -312,23 +433,29 @@ def read_cached_head(folder: Path) -> HeadWeights:
 
 
 def resolve_head(model_folder: Path, config: dict, notify: Notify, mtp_head: Optional[str] = None,
-                 mtp_base: Optional[str] = None, repo_id: Optional[str] = None) -> Optional[HeadWeights]:
-    """The head for a model, or None; caches what it extracts or downloads."""
+                 mtp_base: Optional[str] = None, repo_id: Optional[str] = None) -> HeadWeights:
+    """The head for a model; caches what it extracts or downloads. `repo_id` is the name the model
+    was loaded by (mlx-community/...), whose card names the original. No head: a DynoError that
+    says what was tried."""
     if mtp_head:
         return read_head_folder(Path(mtp_head).expanduser())
     own = read_checkpoint_head(model_folder)
     if own is not None:
         return own
     hub = Hub(notify)
-    base = find_base(model_folder, config, hub, mtp_base)
+    trail = Trail(own_repo(model_folder, repo_id) or model_folder.name)
+    base = find_base(model_folder, config, hub, mtp_base, repo_id, trail)
     if base is None and hub.unreachable:
-        raise _offline_error(model_folder, hub.unreachable)
+        raise _offline_error(trail.label, hub.unreachable)
     if base is None:
-        return None
+        raise trail.not_found()
+    if trail.by_shape:
+        notify(f"dyno: no card or config names the original of {trail.label}; its shape is that of {base} "
+               f"(shape table), whose head it takes; pass --mtp-base ORG/NAME to choose another")
     cached = cached_head_path(base)
     if cached.exists():
         return read_cached_head(cached)
-    cache_head(base, hub, lambda: config.get("text_config", config), lambda: _offline_error(model_folder, [base]))
+    cache_head(base, hub, lambda: config.get("text_config", config), lambda: _offline_error(trail.label, [base]))
     return read_head_folder(cached)
 
 

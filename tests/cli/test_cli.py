@@ -54,7 +54,9 @@ def test_auto_without_head_decodes_plainly(tmp_path):
     r = dyno("generate", "--model", str(folder), "--prompt", "x = 1", "--max-tokens", "8")
     assert r.returncode == 0, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert lines[0] == "dyno: decoding without drafts: nohead: it has no MTP head"
+    assert lines[0] == ("dyno: decoding without drafts: no MTP head for nohead: it has no mtp.* tensors; "
+                        "card: none (no README.md, no repo id); config hints: none; base_model chain: none; "
+                        "shape table: no match; pass --mtp-head <folder>")
     assert lines[-1].startswith("Plain: 8 tokens, no drafting")
 
 
@@ -78,7 +80,8 @@ def bad_models(tmp_path_factory):
     (["--model", "{root}/llama", "--speculative", "mtp"],
      "{root}/llama is a llama model; MTP drafting needs a Qwen3.5/3.6/3.8 model (model_type qwen3_5 or qwen3_5_moe)"),
     (["--model", "{root}/nohead", "--speculative", "mtp"],
-     "no MTP head for {root}/nohead: the checkpoint has no mtp.* tensors and no base model with a head was found; pass --mtp-head <folder>"),
+     "no MTP head for nohead: it has no mtp.* tensors; card: none (no README.md, no repo id); config hints: none; "
+     "base_model chain: none; shape table: no match; pass --mtp-head <folder>"),
     (["--model", "{root}/nohead", "--mtp-head", "{root}/missing", "--speculative", "mtp"],
      "MTP head folder not found: {root}/missing"),
     (["--model", "{root}/nohead", "--mtp-head", "{root}/empty", "--speculative", "mtp"],
