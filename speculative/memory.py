@@ -13,6 +13,7 @@ from typing import Callable, Dict, Iterator, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.generate import generation_stream
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 CLEAR_EVERY_TOKENS = 256  # mlx-lm's generate_step clears MLX's buffer cache every 256 tokens
@@ -80,6 +81,13 @@ def budget_notice(model: int, total: int, given: Dict[str, int]) -> Optional[str
             "this device has for them; memory may swap")
 
 
+def synchronize_streams() -> None:
+    """Wait for MLX's work on this thread's streams: the default one (Dyno's rounds) and mlx-lm's
+    generation stream (generate_step's, which plain decoding runs on)."""
+    mx.synchronize()
+    mx.synchronize(generation_stream)
+
+
 class Cadence:
     """Calls `clear` each time the count passes another multiple of `every`."""
 
@@ -100,7 +108,7 @@ class Memory:
     take_wired: Callable[[], Optional[int]] = maybe_set_recommended_wired_limit  # old limit, None: no limit here
     set_wired: Callable[[int], int] = mx.set_wired_limit
     clear_cache: Callable[[], None] = mx.clear_cache
-    synchronize: Callable[[], None] = mx.synchronize
+    synchronize: Callable[[], None] = synchronize_streams
     tokens_between_clears: int = CLEAR_EVERY_TOKENS  # a single generation's cadence
     rounds_between_clears: int = CLEAR_EVERY_ROUNDS  # a batch's
 
