@@ -274,8 +274,12 @@ class EngineWorker:
         memory, folder, disk = self.prompt_cache_options
         self.prefix_cache = prompt_store(self.lm, memory, folder, disk, notify=log.warning)
         self.marker = message_marker(self.lm.tokenizer)
-        given = {"--prompt-cache-bytes": memory}
-        if self.concurrency > 1 and self.drafting:
+        self._check_budgets()
+
+    def _check_budgets(self) -> None:
+        """One line when the budgets given (the defaults always fit) and the model exceed the device's memory."""
+        given = {"--prompt-cache-bytes": self.prompt_cache_options[0]}
+        if self.concurrency > 1 and self.drafting:  # the only mode that admits rows by it
             given["--max-batch-memory"] = self.max_batch_memory
         if notice := budget_notice(self.model_bytes(), device_memory(), given):
             log.warning(notice)
