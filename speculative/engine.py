@@ -7,6 +7,7 @@ reuse live outside it.
 
 import random
 import time
+from functools import partial
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -57,7 +58,7 @@ def generate(
     if len(prompt) == 0:
         raise DynoError("the prompt is empty")
     prompt = list(prompt)
-    runner = runner(lm, params, spec, prefill_step) if runner else default_runner(lm, params, spec, prefill_step, memory)
+    runner = (runner or partial(default_runner, memory=memory))(lm, params, spec, prefill_step)
     resume, cuts = None, []
     if prefix_cache is not None:
         resume = prefix_cache.take(prompt, head_layers=len(lm.head.layers) if drafts(lm, spec) else 0)

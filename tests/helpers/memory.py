@@ -1,4 +1,4 @@
-"""A Memory whose MLX calls are recorded (speculative/memory.py's seam), as a device with a wired limit would see them."""
+"""A Memory whose MLX calls are recorded (speculative/memory.py's seam), as on a device with a wired limit."""
 
 import threading
 
