@@ -30,6 +30,7 @@ from .engine import PREFILL_STEP, Speculator
 from .errors import DynoError
 from .events import Provenance, Round, Token
 from .loader import LoadedModel
+from .memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Resume, ShiftedKVCache
 from .sampling import log_softmax, warp
 from .verify import greedy_accept, lossless_accept
@@ -165,7 +166,8 @@ class BatchSpeculator:
     rows live here, row b of each batch array belonging to self.ids[b].
     """
 
-    def __init__(self, lm: LoadedModel, prefill_step: int = PREFILL_STEP, draft_vocab: Optional[int] = None):
+    def __init__(self, lm: LoadedModel, prefill_step: int = PREFILL_STEP, draft_vocab: Optional[int] = None,
+                 memory: Memory = MLX_MEMORY):
         if lm.head is None:
             raise DynoError("batched drafting needs an MTP head")
         if lm.ranks is not None:
@@ -173,6 +175,8 @@ class BatchSpeculator:
         self.lm, self.target, self.head = lm, lm.target, lm.head
         self.prefill_step, self.draft_vocab = prefill_step, draft_vocab
         self.draft_lm_head = draft_lm_head(lm, draft_vocab)
+        self.memory = memory  # rows clear MLX's buffer cache after each prefill chunk (Speculator.prefill)
+        self.clearing = memory.per_rounds()  # and the batch every 512 rounds, as BatchGenerator
         self.ids: List[Hashable] = []  # row b's request
         self.rows: List[Speculator] = []  # row b's own state
         self.trunk_cache: List = []  # batch caches, one per trunk layer
@@ -199,7 +203,7 @@ class BatchSpeculator:
             raise DynoError(f"row {row_id!r} is already in the batch")
         if len(prompt) == 0:
             raise DynoError("the prompt is empty")
-        row = Speculator(self.lm, params, 1, self.prefill_step, self.draft_vocab)
+        row = Speculator(self.lm, params, 1, self.prefill_step, self.draft_vocab, memory=self.memory)
         row.prompt = list(prompt)
         row.generated = [row.prefill(row.prompt, resume, cuts).item()]
         out = RowEvents([Token(row.generated[0], Provenance.PLAIN, row.scores[0])], self._finish(row, 1))
@@ -336,6 +340,7 @@ class BatchSpeculator:
         Depth 0 is a plain round: each row's next token, no Round event."""
         if not self.ids:
             return {}
+        self.clearing.add()
         then = depth if then is None else then
         if depth == 0:
             return self._plain_round(then)

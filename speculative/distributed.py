@@ -46,8 +46,7 @@ from . import engine
 from .config import SamplingParams, SpecConfig
 from .errors import DynoError, one_line
 from .events import Done
-from .loader import LoadedModel, load_checkpoint
-from .model_source import resolve
+from .loader import LoadedModel, load_checkpoint, resolve
 
 STRATEGIES = ("pipeline", "tensor")
 STEP_TIMEOUT = 60.0  # seconds a rank waits at one step of a generation before it gives up on the others

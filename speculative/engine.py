@@ -7,6 +7,7 @@ reuse live outside it.
 
 import random
 import time
+from functools import partial
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -19,6 +20,7 @@ from .draft_vocab.head import draft_lm_head, greedy_token
 from .errors import DynoError
 from .events import Done, Provenance, Round, RoundDetails, Token, TokenLogprobs
 from .loader import LoadedModel
+from .memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
 from .processors import PrefixProcessors, processors_for, with_prefix
 from .sampling import draft_params, draw, log_softmax, plain_sampler, warp
@@ -38,11 +40,13 @@ def generate(
     boundaries: Sequence[int] = (),
     until: Optional[Callable[[], Optional[str]]] = None,
     runner: Optional[Callable[..., "Runner"]] = None,
+    memory: Memory = MLX_MEMORY,
 ) -> Iterator[Event]:
     """Generate from `prompt` token ids; drafts with the MTP head unless off or headless.
 
     `runner(lm, params, spec, prefill_step)` makes the generation's runner (default `default_runner`:
-    a Speculator when drafting, else a PlainRun); tools pass an instrumented one here.
+    a Speculator when drafting, else a PlainRun); tools pass an instrumented one here. The model
+    is wired while it decodes (`memory.wired`, as mlx-lm's stream_generate).
 
     With a `prefix_cache`, the longest reusable prefix of the prompt is not prefilled again;
     prefill is cut at `boundaries` (positions where later prompts may part from this one, e.g.
@@ -54,45 +58,46 @@ def generate(
     if len(prompt) == 0:
         raise DynoError("the prompt is empty")
     prompt = list(prompt)
-    runner = (runner or default_runner)(lm, params, spec, prefill_step)
+    runner = (runner or partial(default_runner, memory=memory))(lm, params, spec, prefill_step)
     resume, cuts = None, []
     if prefix_cache is not None:
         resume = prefix_cache.take(prompt, head_layers=len(lm.head.layers) if drafts(lm, spec) else 0)
         cuts = prefix_cache.plan(len(prompt), boundaries, len(resume) if resume else 0)
-    steps = runner.run(prompt, resume, cuts)
-    eos = lm.eos_token_ids
-    start = time.perf_counter()
-    first_at = last_at = None
-    n = 0
-    reason = "length"
-    try:
-        for event in steps:
-            if isinstance(event, Round):
+    with memory.wired():
+        steps = runner.run(prompt, resume, cuts)
+        eos = lm.eos_token_ids
+        start = time.perf_counter()
+        first_at = last_at = None
+        n = 0
+        reason = "length"
+        try:
+            for event in steps:
+                if isinstance(event, Round):
+                    yield event
+                    continue
+                now = time.perf_counter()
+                first_at = first_at or now
+                last_at = now
+                n += 1
                 yield event
-                continue
-            now = time.perf_counter()
-            first_at = first_at or now
-            last_at = now
-            n += 1
-            yield event
-            if event.id in eos:
-                reason = "stop"
-                break
-            if n >= params.max_tokens:
-                break
-            if until is not None and (why := until()) is not None:
-                reason = why
-                break
-    except GeneratorExit:  # the consumer stopped at a token: the caches are consistent there
+                if event.id in eos:
+                    reason = "stop"
+                    break
+                if n >= params.max_tokens:
+                    break
+                if until is not None and (why := until()) is not None:
+                    reason = why
+                    break
+        except GeneratorExit:  # the consumer stopped at a token: the caches are consistent there
+            steps.close()
+            if prefix_cache is not None and n:
+                prefix_cache.put(runner.settle(n))
+            raise
         steps.close()
-        if prefix_cache is not None and n:
+        prefill = (first_at or start) - start
+        decode = (last_at or start) - (first_at or start)
+        if prefix_cache is not None:
             prefix_cache.put(runner.settle(n))
-        raise
-    steps.close()
-    prefill = (first_at or start) - start
-    decode = (last_at or start) - (first_at or start)
-    if prefix_cache is not None:
-        prefix_cache.put(runner.settle(n))
     yield Done(reason, len(prompt), n, prefill, decode, len(resume) if resume else 0)
 
 
@@ -101,11 +106,12 @@ def drafts(lm: LoadedModel, spec: SpecConfig) -> bool:
     return spec.mode != "off" and lm.head is not None
 
 
-def default_runner(lm: LoadedModel, params: SamplingParams, spec: SpecConfig, prefill_step: int) -> "Runner":
+def default_runner(lm: LoadedModel, params: SamplingParams, spec: SpecConfig, prefill_step: int,
+                   memory: Memory = MLX_MEMORY) -> "Runner":
     """A Speculator when drafting, else a PlainRun."""
     if drafts(lm, spec):
-        return Speculator(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab, spec.details)
-    return PlainRun(lm, params, prefill_step)
+        return Speculator(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab, spec.details, memory)
+    return PlainRun(lm, params, prefill_step, memory)
 
 
 def segments(start: int, stop: int, cuts: Sequence[int], step: int) -> Iterator[Tuple[int, int]]:
@@ -147,8 +153,9 @@ def scored(logprobs: Optional[mx.array], tokens: Sequence[int], top: Optional[in
 class PlainRun:
     """Plain decoding is mlx-lm's own generate_step: same output, same speed."""
 
-    def __init__(self, lm: LoadedModel, params: SamplingParams, prefill_step: int):
+    def __init__(self, lm: LoadedModel, params: SamplingParams, prefill_step: int, memory: Memory = MLX_MEMORY):
         self.model, self.params, self.prefill_step, self.vocab = lm.model, params, prefill_step, lm.vocab_size
+        self.memory = memory  # generate_step clears MLX's buffer cache itself (every 256 tokens)
         self.cache: List = []
         self.fed: List[int] = []  # every token the cache holds
         self.checkpoints: Dict[int, Checkpoint] = {}
@@ -171,6 +178,7 @@ class PlainRun:
         for s, e in segments(start, cuts[-1] if cuts else start, cuts, self.prefill_step):
             self.model(mx.array(prompt[s:e])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
+            self.memory.clear_cache()  # after each prefill chunk, as generate_step
             if e in cuts:
                 self.checkpoints[e] = Checkpoint(e, owned(recurrent_state(self.cache)))
         start = cuts[-1] if cuts else start
@@ -208,8 +216,9 @@ class Speculator:
     """State of one speculative generation: trunk and head caches, the pending token, the RNG."""
 
     def __init__(self, lm: LoadedModel, params: SamplingParams, depth: int, prefill_step: int,
-                 draft_vocab: Optional[int] = None, details: bool = False):
+                 draft_vocab: Optional[int] = None, details: bool = False, memory: Memory = MLX_MEMORY):
         self.target, self.head = lm.target, lm.head
+        self.memory = memory  # MLX's buffer cache cleared after each prefill chunk and every 256 tokens
         self.eos = set(lm.eos_token_ids)
         self.draft_lm_head = draft_lm_head(lm, draft_vocab)  # the drafts' projection: all rows or a subset
         self.params, self.depth, self.prefill_step = params, depth, prefill_step
@@ -281,6 +290,7 @@ class Speculator:
             hidden = self.target.hidden(tokens[None, s:e], self.trunk_cache)
             self._head(tokens[s + 1 : e + 1], hidden)  # row p = (t_{p+1}, h_p)
             mx.eval([c.state for c in self.trunk_cache + self.head_cache])
+            self.memory.clear_cache()  # after each prefill chunk, as mlx-lm's generate_step
             if e in cuts:
                 self.checkpoints[e] = Checkpoint(e, owned(recurrent_state(self.trunk_cache)), mx.array(hidden[:, -1:]))
         before = hidden[:, -1:] if hidden is not None else None  # h_{n-2}, when this run computed it
@@ -419,8 +429,11 @@ class Speculator:
         self.prompt = list(prompt)
         self.generated = [self.prefill(self.prompt, resume, cuts).item()]
         yield Token(self.generated[0], Provenance.PLAIN, self.scores[0])
+        clearing = self.memory.per_tokens()  # generate_step's cadence (every 256 tokens)
+        clearing.add()  # the first token: generate_step counts it too
         while True:
             accepted, nxt = self.step()
+            clearing.add(len(accepted) + 1)
             yield Round(self.depth, len(accepted), tuple(self.drafted), self.round_details)
             for t, score in zip(accepted, self.scores):
                 yield Token(t, Provenance.DRAFT, score)

@@ -15,6 +15,7 @@ from .heads.mtp import MTPHead, build_head
 from .heads import precision
 from .heads.precision import HeadMemory
 from .model_source import ModelSource, resolve
+from .memory import model_bytes, recommended_size, size_warning
 from .target import Target
 
 DENSE_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -139,6 +140,9 @@ def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mt
     if mode == "auto" and lm.head is None and not any("without drafts" in n for n in lm.notices):
         reason = "it is not a Qwen3.5-family model" if not family else "it has no MTP head"
         note(f"dyno: decoding without drafts: {lm.name}: {reason}")
+    # Once per model, not once per generation as mlx-lm's wired_limit prints it (memory.py).
+    if warning := size_warning(model_bytes(lm.model, lm.head), recommended_size()):
+        note(warning)
     return lm
 
 

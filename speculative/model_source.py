@@ -45,20 +45,9 @@ def allow_patterns() -> List[str]:
 
 def cache_repo_id(folder) -> Optional[str]:
     """The repo id of a snapshot folder in the Hugging Face cache (`models--ORG--NAME/snapshots/REV`), else None."""
-    parts = Path(os.path.abspath(Path(folder).expanduser())).parts
-    if len(parts) < 3 or parts[-2] != "snapshots" or not parts[-3].startswith("models--"):
-        return None
-    return parts[-3][len("models--"):].replace("--", "/", 1)  # the Hub forbids "--" inside a name
+    from .heads.find import snapshot_repo
 
-
-def label(folder: Path) -> str:
-    """How a listing shows a local model: the repo id for the snapshot `--model ORG/NAME` loads, else the path."""
-    repo, folder = cache_repo_id(folder), Path(folder)
-    try:
-        current = repo is not None and (folder.parent.parent / "refs" / "main").read_text().strip() == folder.name
-    except OSError:
-        current = False
-    return repo if current else str(folder)
+    return snapshot_repo(Path(os.path.abspath(Path(folder).expanduser())))
 
 
 def resolve(spec, notify: Optional[Notify] = None,

@@ -17,7 +17,8 @@ def add_command(sub) -> None:
                         "has an MTP head (default: %(default)s)")
     p.add_argument("--max-batch-memory", metavar="SIZE",
                    help="memory batched requests may hold (keys, values and states for prompt + max_tokens, "
-                        "estimated), e.g. 8GB; more wait (default: 1/4 of the recommended working set, or of RAM)")
+                        "estimated), e.g. 8GB; more wait (default: 1/4 of what the model leaves of the recommended "
+                        "working set, or of RAM)")
     p.add_argument("--max-queue", type=int, default=ServeOptions.max_queue, metavar="N",
                    help="requests that may wait for the engine; more are refused with 503 and Retry-After "
                         "(default: %(default)s)")
@@ -29,7 +30,7 @@ def add_command(sub) -> None:
     p.add_argument("--no-ui", action="store_true", help="do not serve the Gradio playground at /ui")
     p.add_argument("--prompt-cache-bytes", metavar="SIZE",
                    help="memory kept for reusing earlier prompts' states, e.g. 8GB, 512MiB, 0 for none "
-                        "(default: 1/8 of the machine's memory)")
+                        "(default: 1/8 of what the model leaves of the recommended working set, or of RAM)")
     p.add_argument("--prompt-cache-dir", metavar="DIR",
                    help="keep prompt states evicted from memory, and on shutdown the live ones, as files in DIR, "
                         "reused after a restart (default: none)")

@@ -10,25 +10,8 @@ errs high: a row that stops early frees its share sooner.
 from dataclasses import dataclass
 from typing import Iterable
 
-import mlx.core as mx
-
-from speculative.prompt_cache.store import machine_memory
-
-BATCH_MEMORY_SHARE = 4  # the default budget is 1/4 of the recommended working set (Metal) or of the RAM
 STATE_BYTES = 4  # recurrent states are kept in float32
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def default_batch_memory() -> int:
-    """The batch's memory budget when none is given: a share of what MLX recommends keeping in use
-    (Metal's working set), else of the machine's memory."""
-    try:
-        working = mx.device_info().get("max_recommended_working_set_size")
-        if working:
-            return int(working) // BATCH_MEMORY_SHARE
-    except Exception:  # an MLX build without device_info
-        pass
-    return machine_memory() // BATCH_MEMORY_SHARE
 
 
 @dataclass(frozen=True)

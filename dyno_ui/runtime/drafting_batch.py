@@ -24,7 +24,7 @@ from speculative.measure.batch_cost import RoundTimer
 from speculative.prompt_cache.store import entry_from
 from speculative.stats import GenerationStats
 
-from .admission import Admission, RowMemory, default_batch_memory
+from .admission import Admission, RowMemory
 from .boundaries import message_starts
 from .errors import STOPPED, failure
 from .outputs import Traced
@@ -78,14 +78,13 @@ class DraftingBatch:
         self.batch = self._new_batch()
         self.active: Dict[int, object] = worker.running  # jobs in the batch, by row id
         self.bytes: Dict[int, int] = {}  # each row's estimated memory
-        budget = worker.max_batch_memory if worker.max_batch_memory is not None else default_batch_memory()
-        self.admission = Admission(RowMemory.of(lm.config, len(lm.head.layers)), budget)
+        self.admission = Admission(RowMemory.of(lm.config, len(lm.head.layers)), worker.batch_memory())
         self.held = None  # the next job, waiting for memory to free
         self.timer = RoundTimer(worker.policy.record)  # the policy's round times, start to start
         self.next_row = 0
 
     def _new_batch(self) -> BatchSpeculator:
-        return BatchSpeculator(self.worker.lm, draft_vocab=self.worker.spec.draft_vocab)
+        return BatchSpeculator(self.worker.lm, draft_vocab=self.worker.spec.draft_vocab, memory=self.worker.memory)
 
     def serve(self) -> None:
         w = self.worker

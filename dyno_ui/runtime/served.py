@@ -39,9 +39,11 @@ class ServedModel:
     _swap: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def replace(self, lm: LoadedModel) -> None:
-        """Serve `lm` (named as it was typed: repo id or folder name) from now on; the worker already runs it."""
+        """Serve `lm` (named as typed: repo id or folder name) from now on; the worker already runs it,
+        and frees the old model's buffers once this reference to it is gone."""
         with self._swap:
             self.lm, self.id = lm, lm.name
+        self.worker.release_memory()
 
     @property
     def ids(self) -> List[str]:

@@ -13,6 +13,11 @@ Every mode reuses earlier prompts' states through one prompt cache
 (speculative/prompt_cache/store.py), bounded in bytes, with an optional disk tier that outlives the
 process; prefill is cut (and checkpointed) where chat messages start. Requests wait for the engine
 in a queue of at most `max_queue`; past that, submit refuses them (503, Retry-After).
+
+Memory as mlx-lm handles it (speculative/memory.py), on this thread: the model wired while a
+request decodes (serial) or while the batch serves (batched, as BatchGenerator holds it), MLX's
+buffer cache cleared at mlx-lm's cadence and once a replaced model is let go, and the default
+budgets shares of what the model leaves of the device's memory.
 """
 
 import gc
@@ -33,6 +38,7 @@ from speculative import distributed
 from speculative.engine import generate, scored
 from speculative.events import Done, Provenance, Round, Token, TokenLogprobs
 from speculative.loader import LoadedModel
+from speculative.memory import MLX_MEMORY, Memory, budget_notice, default_batch_memory, device_memory, model_bytes
 from speculative.measure.batch_cost import DepthPolicy
 from speculative.prompt_cache.store import Checkpoint, PrefixCache, entry_from, owned, recurrent_state
 from speculative.prompt_cache.disk import prompt_store
@@ -107,12 +113,14 @@ class EngineWorker:
                  prompt_cache_bytes: Optional[int] = None, prompt_cache_dir: Optional[Path] = None,
                  prompt_cache_disk_bytes: Optional[int] = None, max_queue: int = MAX_QUEUE,
                  max_batch_memory: Optional[int] = None,
-                 depth_policy: Optional[Callable[[LoadedModel, SpecConfig], DepthPolicy]] = None):
+                 depth_policy: Optional[Callable[[LoadedModel, SpecConfig], DepthPolicy]] = None,
+                 memory: Memory = MLX_MEMORY):
         self.load = load  # runs on the engine thread: loading and depth tuning are MLX work too
         self.spec = SpecConfig()
         self.concurrency = decode_concurrency
         self.max_queue = max_queue
-        self.max_batch_memory = max_batch_memory  # None: admission.default_batch_memory()
+        self.max_batch_memory = max_batch_memory  # None: memory.default_batch_memory for the model
+        self.memory = memory  # the MLX memory calls (wired limit, buffer cache), as mlx-lm makes them
         # Batched drafting's depth per round: made on the engine thread once the model is loaded
         # (measuring costs is MLX work); by default pinned at the depth the model was loaded with.
         self.depth_policy = depth_policy or (lambda lm, spec: DepthPolicy(None, [], pinned=spec.draft_depth))
@@ -187,10 +195,21 @@ class EngineWorker:
             self.lm, self.spec, self.eos = lm, spec, lm.eos_token_ids
             self._new_prompt_cache()
             self.metrics.set_draft_depth(spec.draft_depth if self.drafting else None)
-            gc.collect()
+            self._let_go()
             return lm
 
         return self.call(swap)
+
+    def release_memory(self) -> Future:
+        """Once the caller has dropped its references to a replaced model: return its buffers to the
+        system (on the engine thread, after the work queued before)."""
+        return self.call(self._let_go)
+
+    def _let_go(self) -> None:
+        # Dropped arrays go back to MLX's buffer cache, not to the system; as mlx-lm's server does
+        # before it loads another model, clear that cache so that the old model's buffers go.
+        gc.collect()
+        self.memory.clear_cache()
 
     def begin_close(self) -> None:
         """Stop at the next round of the current generation; queued jobs are then answered 503."""
@@ -209,11 +228,13 @@ class EngineWorker:
         try:
             if self._load():
                 if self.concurrency == 1:
-                    self._serve_serial()
+                    self._serve_serial()  # each request wired by the engine (generate)
                 elif self.drafting:
-                    DraftingBatch(self).serve()
+                    with self.memory.wired():
+                        DraftingBatch(self).serve()
                 else:
-                    self._serve_batched()
+                    with self.memory.wired():  # BatchGenerator wires too; this holds it in every mode alike
+                        self._serve_batched()
         finally:
             for job in self.running.values():  # only if the loop itself died: no job goes unanswered
                 self._fail(job, "the engine stopped", 503)
@@ -253,6 +274,25 @@ class EngineWorker:
         memory, folder, disk = self.prompt_cache_options
         self.prefix_cache = prompt_store(self.lm, memory, folder, disk, notify=log.warning)
         self.marker = message_marker(self.lm.tokenizer)
+        self._check_budgets()
+
+    def _check_budgets(self) -> None:
+        """One line when the budgets given (the defaults always fit) and the model exceed the device's memory."""
+        given = {"--prompt-cache-bytes": self.prompt_cache_options[0]}
+        if self.concurrency > 1 and self.drafting:  # the only mode that admits rows by it
+            given["--max-batch-memory"] = self.max_batch_memory
+        if notice := budget_notice(self.model_bytes(), device_memory(), given):
+            log.warning(notice)
+
+    def model_bytes(self) -> int:
+        """What the served model's weights and head take."""
+        return model_bytes(self.lm.model, self.lm.head)
+
+    def batch_memory(self) -> int:
+        """Batched drafting's memory budget: --max-batch-memory, else memory.py's default for the model."""
+        if self.max_batch_memory is not None:
+            return self.max_batch_memory
+        return default_batch_memory(self.model_bytes(), device_memory())
 
     def _answer_queued(self) -> None:
         """Once the thread stops taking work: every job still queued gets an error, every call one too."""
@@ -314,7 +354,8 @@ class EngineWorker:
             events = distributed.generate(self.lm, job.prompt, job.params, spec)
         else:
             events = generate(self.lm, job.prompt, job.params, spec, prefix_cache=self.prefix_cache,
-                              boundaries=message_starts(job.prompt, self.marker), until=lambda: self._until(job))
+                              boundaries=message_starts(job.prompt, self.marker), until=lambda: self._until(job),
+                              memory=self.memory)
         reason = "cancelled"
         try:
             for event in events:
@@ -413,6 +454,9 @@ class EngineWorker:
                 for job in active.values():
                     self._fail(job, failure(e))
                 active.clear()
+                # Closed before the next is made: each BatchGenerator puts back the wired limit it
+                # found, and an old one closed (or collected) after the new one was made would unwire it.
+                batch.close()
                 batch = self._new_batch()
                 continue
             for r in responses:
@@ -431,6 +475,7 @@ class EngineWorker:
         for job in active.values():  # closing: the jobs in flight are told so
             self._fail(job, STOPPED, 503)
         active.clear()
+        batch.close()
         self.metrics.set_width(0)
 
     def _deliver(self, batch: BatchGenerator, active: Dict[int, Job], r) -> None:

@@ -7,7 +7,6 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 from . import find
 from ..errors import DynoError
-from ..model_source import label
 
 Notify = Callable[[str], None]
 _FLOATS = {"BF16": (2, "bfloat16"), "F16": (2, "float16"), "F32": (4, "float32")}  # itemsize, name
@@ -112,5 +111,15 @@ def local_models(folders: Iterable[Path], notify: Notify) -> List[Tuple[str, str
             status = head_status(folder, config, hub)
         except DynoError as e:  # one broken folder is reported in its row, never the whole listing
             status = f"unknown ({e.message})"
-        rows.append((label(folder), model_type, status))
+        rows.append((model_label(folder), model_type, status))
     return rows
+
+
+def model_label(folder: Path) -> str:
+    """How a listing shows a local model: the repo id for the snapshot `--model ORG/NAME` loads, else the path."""
+    repo, folder = find.snapshot_repo(Path(folder)), Path(folder)
+    try:
+        current = repo is not None and (folder.parent.parent / "refs" / "main").read_text().strip() == folder.name
+    except OSError:
+        current = False
+    return repo if current else str(folder)

@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from ..errors import DynoError, one_line
+from ..memory import model_bytes
 from .store import (
     Checkpoint, PrefixCache, PrefixEntry, ShiftedKVCache, default_budget, is_attention, usable,
 )
@@ -324,9 +325,9 @@ def decode(arrays: Dict[str, mx.array], meta: Dict[str, str], template: List[Any
 
 def prompt_store(lm, max_bytes: Optional[int] = None, folder: Optional[Path] = None,
                  disk_bytes: Optional[int] = None, notify: Optional[Callable[[str], None]] = None) -> PrefixCache:
-    """The prompt cache for a loaded model: `max_bytes` of memory (None: the default share of the
-    machine's), and a disk tier in `folder` when given."""
-    budget = default_budget() if max_bytes is None else max_bytes
+    """The prompt cache for a loaded model: `max_bytes` of memory (None: the default share of what the
+    model leaves of the device's, memory.py), and a disk tier in `folder` when given."""
+    budget = default_budget(model_bytes(lm.model, lm.head)) if max_bytes is None else max_bytes
     disk = None
     if folder is not None:
         trunk_key, head_key = model_keys(lm)

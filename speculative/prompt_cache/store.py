@@ -21,7 +21,6 @@ any: disk.py). It runs on the engine thread only.
 """
 
 import copy
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -29,10 +28,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from ..memory import default_prompt_cache_bytes, device_memory
+
 
 RECENT = 4  # the latest checkpoints kept whatever their spacing (regenerate, edit, a dropped <think>)
 MIN_GAP = 16  # tokens: a checkpoint closer than this to a later one is not worth its memory
-MEMORY_SHARE = 8  # the default budget is this fraction (1/8) of the machine's memory
 
 Recurrent = Tuple[Optional[Tuple[mx.array, ...]], ...]  # per trunk layer: a GDN layer's arrays, None for attention
 
@@ -390,20 +390,9 @@ def _sizes(entries: Sequence[PrefixEntry]) -> Dict[int, int]:
     return {id(a): a.nbytes for e in entries for a in e.arrays()}
 
 
-def machine_memory() -> int:
-    """The accelerator's memory where MLX reports it (Metal), else the machine's RAM."""
-    try:
-        size = mx.device_info().get("memory_size")
-        if size:
-            return int(size)
-    except Exception:  # an MLX build without device_info
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def default_budget() -> int:
-    """The memory budget when none is given: 1/MEMORY_SHARE of the machine's memory."""
-    return machine_memory() // MEMORY_SHARE
+def default_budget(model_bytes: int = 0) -> int:
+    """The memory budget when none is given, for a model of `model_bytes` (memory.py's share of what it leaves)."""
+    return default_prompt_cache_bytes(model_bytes, device_memory())
 
 
 def entry_from(tokens: Sequence[int], trunk_cache: List[Any],
