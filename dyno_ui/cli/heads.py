@@ -84,7 +84,7 @@ def _table(header, rows) -> None:
 
 def _folder(model: str) -> Path:
     """The folder of a `dyno models` argument: a path, or a repo id's cached snapshot (listing never downloads)."""
-    from speculative.model_source import cached, is_repo_id
+    from speculative.loader.source import cached, is_repo_id
 
     if not is_repo_id(model):
         return Path(model).expanduser()

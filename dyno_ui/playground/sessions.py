@@ -14,7 +14,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 from speculative.config import SamplingParams, SpecConfig
 from speculative.errors import DynoError
-from speculative.model_source import ModelSource, cache_repo_id, is_repo_id
+from speculative.loader.source import ModelSource, cache_repo_id, is_repo_id
 
 from ..paths import local_folders
 from ..runtime.keys import key_matches

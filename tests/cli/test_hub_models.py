@@ -149,7 +149,7 @@ def test_an_unreachable_hub_is_one_line():
     import httpx
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from speculative.model_source import hub_error
+    from speculative.loader.source import hub_error
 
     try:
         try:
@@ -179,7 +179,7 @@ def test_the_name_typed_is_the_name_served(hub, in_process, tiny_dir, monkeypatc
 
 
 def test_what_is_a_path_and_what_a_repo_id(tmp_path, monkeypatch):
-    from speculative.model_source import cache_repo_id, is_repo_id
+    from speculative.loader.source import cache_repo_id, is_repo_id
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "local").mkdir(parents=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from .errors import DynoError, one_line
+from ..errors import DynoError, one_line
 
 CARD = "README.md"  # not in mlx-lm's patterns; its base_model is how Dyno finds the original's MTP head
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -45,7 +45,7 @@ def allow_patterns() -> List[str]:
 
 def cache_repo_id(folder) -> Optional[str]:
     """The repo id of a snapshot folder in the Hugging Face cache (`models--ORG--NAME/snapshots/REV`), else None."""
-    from .heads.find import snapshot_repo
+    from ..heads.find import snapshot_repo
 
     return snapshot_repo(Path(os.path.abspath(Path(folder).expanduser())))
 
@@ -81,7 +81,7 @@ def _snapshot(repo: str, notify: Notify, check_config) -> Path:
     """The local snapshot of `repo`: the cache first, else a download with huggingface_hub's progress bars."""
     from huggingface_hub import constants, hf_hub_download, snapshot_download
 
-    from .heads.find import offline
+    from ..heads.find import offline
 
     folder = cached(repo)
     if folder is not None:

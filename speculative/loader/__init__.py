@@ -1,4 +1,5 @@
-"""Loading a Qwen3.5-family checkpoint through mlx-lm, and its MTP head when there is one."""
+"""Loading a Qwen3.5-family checkpoint through mlx-lm, and its MTP head when there is one; `source`
+says where its files are (a folder, or a Hugging Face repo id)."""
 
 import json
 from dataclasses import dataclass, field
@@ -8,15 +9,15 @@ from typing import Any, Callable, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .backend import widen_experts
-from .errors import DynoError, one_line
-from .heads.find import resolve_head
-from .heads.mtp import MTPHead, build_head
-from .heads import precision
-from .heads.precision import HeadMemory
-from .model_source import ModelSource, resolve
-from .memory import model_bytes, recommended_size, size_warning
-from .target import Target
+from ..backend import widen_experts
+from ..errors import DynoError, one_line
+from ..heads.find import resolve_head
+from ..heads.mtp import MTPHead, build_head
+from ..heads import precision
+from ..heads.precision import HeadMemory
+from .source import ModelSource, resolve
+from ..memory import model_bytes, recommended_size, size_warning
+from ..target import Target
 
 DENSE_TYPES = ("qwen3_5", "qwen3_5_text")
 MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -83,7 +84,7 @@ def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mt
                     shard: Optional[Callable[[nn.Module], None]] = None, repo_id: Optional[str] = None) -> LoadedModel:
     """Load `path` with mlx-lm; attach its MTP head unless mode is "off".
 
-    `path` is a folder or a Hugging Face repo id (model_source.resolve: the local cache, else a
+    `path` is a folder or a Hugging Face repo id (source.resolve: the local cache, else a
     download); `repo_id` says which repo a folder already resolved is the snapshot of.
 
     The plain loader; `speculative.load_model` is the public recipe (this, then the draft
