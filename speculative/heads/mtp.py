@@ -220,7 +220,8 @@ def _head_config_problem(config: dict) -> Optional[str]:
     if version > HEAD_FORMAT_VERSION:
         return f"has format_version {version}; this Dyno reads up to {HEAD_FORMAT_VERSION} (upgrade Dyno)"
     # The shift must be stated; null says unknown, decided against the model at load, never from values.
-    if not (isinstance(config.get("norms_shifted"), bool) or ("norms_shifted" in config and config["norms_shifted"] is None)):
+    shifted = config.get("norms_shifted", "absent")
+    if not (shifted is None or isinstance(shifted, bool)):
         got = f", got {config['norms_shifted']!r}" if "norms_shifted" in config else ""
         return f"lacks \"norms_shifted\": true or false (whether its norm weights include the +1){got}"
     if config.get("quantization") is not None and not isinstance(config["quantization"], dict):

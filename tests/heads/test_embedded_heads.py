@@ -13,11 +13,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from helpers.fake_hub import FakeHub
 from helpers.reference import plain_greedy
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.events import Round, Token
-from speculative.heads.find import cached_head_path
+from speculative.heads.find import Hub, cached_head_path, download_head
 from speculative.heads.norm_decision import describe
 from speculative.heads.mtp import ALL_NORMS, read_checkpoint_head, shift_norms, write_head_folder
 from speculative.heads.tensors import INDEX, read_header
@@ -201,3 +202,32 @@ def test_broken_embedded_head_falls_back_to_the_originals(tmp_path, raw_head, re
                              f"tensors: mtp.layers.0.mlp.up_proj.weight; drafting with the head from "
                              f"{cached_head_path('dyno-project/dyno-tiny')}")
     assert run(lm) == reference[1]
+
+
+@pytest.fixture
+def hub_online(tmp_path, monkeypatch):
+    """The stand-in Hub, reached in this process: huggingface_hub read its endpoint at import."""
+    from huggingface_hub import constants
+
+    with FakeHub() as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        monkeypatch.setenv("DYNO_CACHE", str(tmp_path / "dyno"))
+        yield hub
+
+
+def test_mtp_base_at_an_mlx_repo_that_embeds_a_shifted_head(tmp_path, raw_head, reference, hub_online):
+    """--mtp-base at an MLX conversion with its head: its norms are decided, never shifted twice."""
+    hub_online.add("org/mlx-with-head", mlx_with_head(tmp_path / "remote", shift_norms(raw_head.tensors)))
+    head = download_head("org/mlx-with-head", Hub(lambda m: None))
+    assert head.norms_shifted is None and head.provenance["raw_hf"] is False
+    model = tmp_path / "model"
+    shutil.copytree(MLX, model)
+    lm = load_checkpoint(model, mode="mtp", mtp_base="org/mlx-with-head")
+    assert "norms stored shifted (all seven)" in lm.notices[-2]
+    assert run(lm) == reference[1]
+    assert json.loads((cached_head_path("org/mlx-with-head") / "config.json").read_text())["norms_shifted"] is None
