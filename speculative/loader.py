@@ -162,7 +162,8 @@ def _find_and_build_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mt
         try:
             own = read_checkpoint_head(lm.path)
             if own is not None:
-                return _build(lm, own, note, bits)
+                _build(lm, own, note, bits)
+                return
         except DynoError as e:
             own_error = e
     try:
