@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ..errors import DynoError, one_line
 from .mtp import HeadWeights, norm_probe, read_checkpoint_head, read_head_folder, write_head_folder
-from .tensors import INDEX, check_table, checkpoint_files, decode, read_index
+from .tensors import INDEX, check_table, checkpoint_files, decode, dequantize_fp8, read_index
 
 PROMISE = "Set HF_HUB_OFFLINE=1 to prevent the download, or pass --mtp-head <folder>."
 MAX_CHAIN = 6  # base_model hops before giving up (fine-tune -> quantized -> ... -> original)
@@ -331,10 +331,10 @@ def download_head(repo: str, hub: Hub, revision: Optional[str] = None) -> HeadWe
         raise DynoError(f"{repo} has no mtp.* tensors in its {INDEX}")
     headers = build_hf_headers()
     session = get_session()
-    plan = {}
+    plan, tables = {}, {}
     for shard in sorted(set(names.values())):
         url = hf_hub_url(repo, shard, revision=commit)
-        base, table = _remote_header(session, url, headers)
+        base, table = tables[shard] = _remote_header(session, url, headers)
         absent = [n for n in names if names[n] == shard and n not in table]
         if absent:
             raise DynoError(f"{url} has no tensor {absent[0]}, which the {INDEX} of {repo} places there")
@@ -351,13 +351,41 @@ def download_head(repo: str, hub: Hub, revision: Optional[str] = None) -> HeadWe
                     chunk = raw[s - start : e - start]
                     tensors[name] = _checked(_decode(chunk, table[name], name, url), name, repo)
                     hashes[name] = hashlib.sha256(chunk).hexdigest()
+    raw, quantization = _remote_convention(repo, commit, weight_map, tables, hub, session, headers)
     weights = HeadWeights(
-        {k[len(_prefix(k)):]: v for k, v in tensors.items()}, norms_shifted=False,
+        dequantize_fp8({k[len(_prefix(k)):]: v for k, v in tensors.items()}), norms_shifted=False if raw else None,
         source=f"{repo}@{commit}" if commit else repo,
         provenance={"source": {"repo": repo, "revision": commit, "via": "download",
-                               "files": sorted(plan), "sha256": hashes, "bytes": total}},
+                               "files": sorted(plan), "sha256": hashes, "bytes": total}, "raw_hf": raw},
+        quantization=quantization,
     )
     return weights
+
+
+def _remote_convention(repo: str, commit, weight_map: dict, tables: dict, hub: Hub, session,
+                       headers: dict) -> Tuple[bool, Optional[dict]]:
+    """(raw HF checkpoint, the quantization its tensors were packed with) of a remote repo, by
+    provenance as for a local one: the conv1d weight's shape in its shard's header (one more
+    header when another shard holds it), and config.json's `quantization` for an MLX conversion."""
+    from huggingface_hub import hf_hub_url
+
+    probe = norm_probe(weight_map)
+    if probe is None:
+        return False, None
+    name, shard = probe
+    if shard not in tables:
+        tables[shard] = _remote_header(session, hf_hub_url(repo, shard, revision=commit), headers)
+    entry = tables[shard][1].get(name)
+    if entry is None:
+        raise DynoError(f"{shard} of {repo} has no tensor {name}, which its {INDEX} places there")
+    if entry["shape"][-1] != 1:
+        return True, None
+    config_path = hub.file(repo, "config.json", commit)
+    try:
+        quantization = json.loads(config_path.read_text()).get("quantization") if config_path else None
+    except (OSError, ValueError, AttributeError):
+        quantization = None
+    return False, quantization if isinstance(quantization, dict) else None
 
 
 def _prefix(name: str) -> str:
@@ -433,15 +461,16 @@ def read_cached_head(folder: Path) -> HeadWeights:
 
 
 def resolve_head(model_folder: Path, config: dict, notify: Notify, mtp_head: Optional[str] = None,
-                 mtp_base: Optional[str] = None, repo_id: Optional[str] = None) -> HeadWeights:
+                 mtp_base: Optional[str] = None, repo_id: Optional[str] = None, own: bool = True) -> HeadWeights:
     """The head for a model; caches what it extracts or downloads. `repo_id` is the name the model
-    was loaded by (mlx-community/...), whose card names the original. No head: a DynoError that
+    was loaded by (mlx-community/...), whose card names the original; own=False skips the model's
+    own mtp.* tensors (the loader tried them and they could not be used). No head: a DynoError that
     says what was tried."""
     if mtp_head:
         return read_head_folder(Path(mtp_head).expanduser())
-    own = read_checkpoint_head(model_folder)
-    if own is not None:
-        return own
+    own_head = read_checkpoint_head(model_folder) if own else None
+    if own_head is not None:
+        return own_head
     hub = Hub(notify)
     trail = Trail(own_repo(model_folder, repo_id) or model_folder.name)
     base = find_base(model_folder, config, hub, mtp_base, repo_id, trail)

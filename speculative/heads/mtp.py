@@ -23,20 +23,24 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from ..errors import DynoError
-from .precision import quantize_head
-from .tensors import INDEX, checkpoint_files, read_header, read_tensors
+from .precision import quantize_head, stored_quantization
+from .tensors import INDEX, checkpoint_files, dequantize_fp8, read_header, read_tensors
 
 HEAD_FORMAT = "dyno-mtp-head"
 HEAD_FORMAT_VERSION = 1
 HEAD_WEIGHTS = "mtp.safetensors"
-# Where heads live: original checkpoints use `mtp.`; some re-exports `language_model.mtp.`.
-CHECKPOINT_PREFIXES = ("mtp.", "language_model.mtp.", "model.mtp.")
-# The 1-D norms stored zero-centred in raw HF checkpoints (the layer ones repeat per layer).
-NORM_RE = re.compile(
-    r"^(pre_fc_norm_embedding|pre_fc_norm_hidden|norm"
-    r"|layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.q_norm|self_attn\.k_norm))"
-    r"\.weight$"
-)
+# Where heads live: original checkpoints use `mtp.`; re-exports `language_model.mtp.`,
+# `model.mtp.` or `model.language_model.mtp.`. Longest first, so the most specific one strips.
+CHECKPOINT_PREFIXES = ("model.language_model.mtp.", "language_model.mtp.", "model.mtp.", "mtp.")
+# The 1-D norms stored zero-centred in raw HF checkpoints (the layer ones repeat per layer), in the
+# three groups a converter may or may not have shifted: the head's own, the layers', the q/k ones.
+NORM_GROUPS = {
+    "top": re.compile(r"^(pre_fc_norm_embedding|pre_fc_norm_hidden|norm)\.weight$"),
+    "layer": re.compile(r"^layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight$"),
+    "qk": re.compile(r"^layers\.\d+\.self_attn\.(q_norm|k_norm)\.weight$"),
+}
+ALL_NORMS = tuple(NORM_GROUPS)
+NORM_RE = re.compile("|".join(f"(?:{r.pattern})" for r in NORM_GROUPS.values()))
 
 
 class MTPHead(nn.Module):
@@ -67,10 +71,12 @@ class MTPHead(nn.Module):
         return self.norm(x)
 
 
-def shift_norms(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-    """Raw HF norms multiply by (1 + w): add 1 in fp32, then cast back. Apply exactly once."""
+def shift_norms(weights: Dict[str, mx.array], groups=ALL_NORMS) -> Dict[str, mx.array]:
+    """Raw HF norms multiply by (1 + w): add 1 in fp32, then cast back, for the norms in `groups`
+    (NORM_GROUPS). Apply exactly once."""
+    pattern = [NORM_GROUPS[g] for g in groups]
     return {
-        k: (v.astype(mx.float32) + 1.0).astype(v.dtype) if NORM_RE.match(k) else v
+        k: (v.astype(mx.float32) + 1.0).astype(v.dtype) if any(r.match(k) for r in pattern) else v
         for k, v in weights.items()
     }
 
@@ -80,13 +86,21 @@ class HeadWeights:
     """Head tensors under module-relative names (e.g. `fc.weight`), with where they came from."""
 
     tensors: Dict[str, mx.array]
-    norms_shifted: bool
+    norms_shifted: Optional[bool]  # None: unknown (an MLX conversion, a drafter repo), decided at load
     source: str
     provenance: dict = field(default_factory=dict)
+    quantization: Optional[dict] = None  # the config.json `quantization` its tensors were packed with
 
     def shifted(self) -> Dict[str, mx.array]:
         """Tensors ready for MTPHead: norms shifted exactly once."""
+        if self.norms_shifted is None:
+            raise DynoError(f"the norm convention of the MTP head in {self.source} is not decided yet")
         return self.tensors if self.norms_shifted else shift_norms(self.tensors)
+
+    def decided(self, groups, decision: dict) -> "HeadWeights":
+        """The same head with the norm `groups` found raw shifted now, and how that was decided."""
+        return HeadWeights(shift_norms(self.tensors, groups), True, self.source,
+                           {**self.provenance, "norm_decision": decision}, self.quantization)
 
 
 def _strip(name: str) -> Optional[str]:
@@ -116,7 +130,12 @@ def checkpoint_is_raw_hf(files: Dict[str, Path]) -> bool:
 
 
 def read_checkpoint_head(folder: Path) -> Optional[HeadWeights]:
-    """The `mtp.*` tensors of a model checkpoint, reading only those tensors; None if absent."""
+    """The `mtp.*` tensors of a model checkpoint, reading only those tensors; None if absent.
+
+    FP8 weights with block scales come back in bf16. A raw HF checkpoint's norms are known to be
+    zero-centred; an MLX conversion's are unknown (converters shift all, some or none of them), so
+    its norms_shifted is None and the loader decides (heads/norm_decision.py).
+    """
     files = checkpoint_files(folder)
     names = {n: _strip(n) for n in files}
     names = {n: r for n, r in names.items() if r is not None}
@@ -133,9 +152,14 @@ def read_checkpoint_head(folder: Path) -> Optional[HeadWeights]:
         for n, arr in read_tensors(path, wanted, header).items():
             tensors[names[n]] = arr
     raw = checkpoint_is_raw_hf(files)
-    # An MLX conversion that kept its head converted it along with the trunk (norms shifted).
-    return HeadWeights(tensors, norms_shifted=not raw, source=str(folder),
-                       provenance={"kind": "checkpoint", "raw_hf": raw})
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    quantization = config.get("quantization") if isinstance(config, dict) else None
+    return HeadWeights(dequantize_fp8(tensors), norms_shifted=False if raw else None, source=str(folder),
+                       provenance={"kind": "checkpoint", "raw_hf": raw},
+                       quantization=quantization if isinstance(quantization, dict) else None)
 
 
 def read_head_folder(folder: Path) -> HeadWeights:
@@ -152,6 +176,8 @@ def read_head_folder(folder: Path) -> HeadWeights:
         raise DynoError(f"cannot read {config_path}: {e.strerror or e}") from None
     except ValueError as e:
         raise DynoError(f"{config_path} is not valid JSON: {e}") from None
+    if isinstance(config, dict) and "format" not in config and any(folder.glob("*.safetensors")):
+        return read_drafter_folder(folder, config)
     if not isinstance(config, dict) or config.get("format") != HEAD_FORMAT:
         raise DynoError(f"not an MTP head folder ({config_path} has no \"format\": \"{HEAD_FORMAT}\")")
     problem = _head_config_problem(config)
@@ -162,7 +188,28 @@ def read_head_folder(folder: Path) -> HeadWeights:
     header = read_header(weights_path)
     raw = read_tensors(weights_path, list(header), header)
     tensors = {(_strip(k) or k): v for k, v in raw.items()}
-    return HeadWeights(tensors, norms_shifted=config["norms_shifted"], source=str(folder), provenance=config)
+    quantization = config.get("quantization")
+    return HeadWeights(tensors, norms_shifted=config["norms_shifted"], source=str(folder), provenance=config,
+                       quantization=quantization if isinstance(quantization, dict) else None)
+
+
+def read_drafter_folder(folder: Path, config: dict) -> HeadWeights:
+    """A drafter repo as mlx-vlm publishes them: config.json and safetensors holding the head's
+    tensors under bare names (`fc.weight`, `layers.0...`) or a checkpoint prefix. Nothing says
+    whether its norms were shifted: the loader decides (heads/norm_decision.py)."""
+    files = checkpoint_files(folder)
+    if "fc.weight" not in {_strip(n) or n for n in files}:
+        raise DynoError(f"not an MTP head folder or drafter repo (no fc.weight in its safetensors): {folder}")
+    tensors = {}
+    for path in sorted(set(files.values())):
+        wanted = [n for n in files if files[n] == path]
+        for n, arr in read_tensors(path, wanted).items():
+            tensors[_strip(n) or n] = arr
+    quantization = config.get("quantization")
+    text = config.get("text_config", config)
+    return HeadWeights(dequantize_fp8(tensors), norms_shifted=None, source=str(folder),
+                       provenance={"kind": "drafter", "text_config": text if isinstance(text, dict) else {}},
+                       quantization=quantization if isinstance(quantization, dict) else None)
 
 
 def _head_config_problem(config: dict) -> Optional[str]:
@@ -172,17 +219,21 @@ def _head_config_problem(config: dict) -> Optional[str]:
         return f"has format_version {version!r}, not a whole number"
     if version > HEAD_FORMAT_VERSION:
         return f"has format_version {version}; this Dyno reads up to {HEAD_FORMAT_VERSION} (upgrade Dyno)"
-    # The shift must be known, never guessed from values (mtp-reference.md, norm convention).
-    if not isinstance(config.get("norms_shifted"), bool):
+    # The shift must be stated; null says unknown, decided against the model at load, never from values.
+    shifted = config.get("norms_shifted", "absent")
+    if not (shifted is None or isinstance(shifted, bool)):
         got = f", got {config['norms_shifted']!r}" if "norms_shifted" in config else ""
         return f"lacks \"norms_shifted\": true or false (whether its norm weights include the +1){got}"
+    if config.get("quantization") is not None and not isinstance(config["quantization"], dict):
+        return "has a quantization that is not a JSON object"
     if not isinstance(config.get("text_config", {}), dict):
         return "has a text_config that is not a JSON object"
     return None
 
 
 def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra: dict = None) -> Path:
-    """Write a standalone head folder atomically (temp folder, then rename); norms stored shifted."""
+    """Write a standalone head folder atomically (temp folder, then rename); norms stored shifted,
+    or as read with `norms_shifted: null` when their convention is still to be decided."""
     folder = Path(folder)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -190,14 +241,17 @@ def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra:
     except OSError as e:
         raise DynoError(f"cannot write the MTP head to {folder}: {e.strerror or e}") from None
     try:
-        mx.save_safetensors(str(tmp / HEAD_WEIGHTS), {f"mtp.{k}": v for k, v in head.shifted().items()})
+        undecided = head.norms_shifted is None
+        tensors = head.tensors if undecided else head.shifted()
+        mx.save_safetensors(str(tmp / HEAD_WEIGHTS), {f"mtp.{k}": v for k, v in tensors.items()})
         config = {
             "format": HEAD_FORMAT,
             "format_version": HEAD_FORMAT_VERSION,
-            "norms_shifted": True,
+            "norms_shifted": None if undecided else True,
             "architecture": "moe" if is_moe_head(head.tensors) else "dense",
             "text_config": text_config,
             "source": {"from": head.source, **head.provenance.get("source", {})},
+            **({"quantization": head.quantization} if head.quantization else {}),
             **(extra or {}),
         }
         if config["architecture"] == "moe":  # quantized MoE heads collapse acceptance (5-11% vs 79-85%)
@@ -250,9 +304,12 @@ def sanitize_moe(tensors: Dict[str, mx.array], quantization: Optional[dict] = No
                                          f"{prefix}.experts.*.{proj}_proj.{k}")
         w = stack("weight")
         if (prefix, proj, "scales") in per_expert:
-            q = quantization or {"group_size": 64, "bits": 4}
+            q = quantization or {}
+            q = q.get(f"mtp.{prefix}.experts.0.{proj}_proj", q)  # a per-module entry, else the global one
+            q = q if isinstance(q, dict) else quantization or {}
             biases = stack("biases") if (prefix, proj, "biases") in per_expert else None
-            w = mx.dequantize(w, stack("scales"), biases, q["group_size"], q["bits"]).astype(mx.bfloat16)
+            w = mx.dequantize(w, stack("scales"), biases, q.get("group_size", 64), q.get("bits", 4),
+                              mode=q.get("mode", "affine")).astype(mx.bfloat16)
         out[f"{prefix}.switch_mlp.{proj}_proj.weight"] = w
     return out
 
@@ -289,9 +346,12 @@ def build_head(args, weights: HeadWeights, quantization: Optional[dict] = None, 
     if layer_ids != set(range(len(layer_ids))):  # also stops a stray layers.99999 from building 10^5 layers
         raise DynoError(f"MTP head in {weights.source} has layers {sorted(layer_ids)}, not numbered from 0")
     head = MTPHead(args, num_layers=max(layer_ids) + 1 if layer_ids else 1)
-    if quantization and any(k.endswith(".scales") for k in tensors):  # a quantized dense layer
-        nn.quantize(head, quantization["group_size"], quantization["bits"],
-                    class_predicate=lambda p, m: f"{p}.scales" in tensors)
+    if any(k.endswith(".scales") for k in tensors):  # quantized dense layers, each in its own mode
+        try:
+            nn.quantize(head, class_predicate=lambda p, m: stored_quantization(
+                quantization, p, m, tensors, CHECKPOINT_PREFIXES))
+        except ValueError as e:  # packing that fits no MLX mode
+            raise DynoError(f"MTP head in {weights.source} is quantized in a way MLX cannot read: {e}") from None
     expected = dict(tree_flatten(head.parameters()))
     missing = sorted(set(expected) - set(tensors))
     if missing:

@@ -11,7 +11,7 @@ any layer whose input width the group size does not divide.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -65,6 +65,31 @@ def head_bits(requested, trunk_quantization: Optional[dict], device=None) -> int
     """The bits the head is kept at: the request, else the default for this trunk and backend."""
     bits = parse_head_bits(requested)
     return default_head_bits(trunk_quantization, device) if bits is None else bits
+
+
+def stored_quantization(quantization: Optional[dict], path: str, module: nn.Module, tensors: dict,
+                        prefixes=()) -> Union[bool, dict]:
+    """How the head's module at `path` was stored, as mlx-lm loads a conversion: its per-module
+    entry in config.json's `quantization` (under any of `prefixes` + path; `false`: kept float),
+    else what its packed shapes and scale dtype say (affine, mxfp4, nvfp4, mxfp8); False when the
+    tensors hold no scales for it. Raises ValueError on packing that fits no mode."""
+    from mlx_lm.utils import infer_quant_config
+
+    if not hasattr(module, "to_quantized") or f"{path}.scales" not in tensors:
+        return False
+    quantization = quantization or {}
+    for key in [f"{prefix}{path}" for prefix in prefixes] + [path]:
+        if key in quantization:
+            entry = quantization[key]
+            if not isinstance(entry, dict):
+                return bool(entry) and _as_params(quantization)
+            return _as_params({**_as_params(quantization), **entry})
+    return infer_quant_config(path, module, tensors)
+
+
+def _as_params(q: dict) -> dict:
+    """The group_size, bits and mode of a quantization entry (mlx-lm's defaults where absent)."""
+    return {"group_size": q.get("group_size", 64), "bits": q.get("bits", 4), "mode": q.get("mode", "affine")}
 
 
 def _quantizable(group_size: int):

@@ -29,7 +29,10 @@ DTYPES = {
     "I8": (np.int8, mx.int8),
     "U8": (np.uint8, mx.uint8),
     "BOOL": (np.bool_, mx.bool_),
+    "F8_E4M3": (np.uint8, None),  # decoded by mx.from_fp8; block scales applied by dequantize_fp8
 }
+FP8_SCALE = "_scale_inv"  # Qwen's -FP8 releases: `<name>_scale_inv` beside each F8_E4M3 weight
+FP8_BLOCK = 128  # their quantization_config.weight_block_size: [128, 128]
 
 
 def read_header(path: Path) -> Dict[str, dict]:
@@ -94,7 +97,36 @@ def decode(raw: bytes, dtype: str, shape) -> mx.array:
     if len(raw) != expected:
         raise DynoError(f"tensor data is {len(raw)} bytes, expected {expected} for {dtype}{list(shape)}")
     arr = mx.array(np.frombuffer(raw, dtype=np_dtype).reshape(shape))
+    if dtype == "F8_E4M3":
+        return mx.from_fp8(arr, mx.bfloat16)
     return arr.view(mx_dtype) if mx_dtype == mx.bfloat16 else arr
+
+
+def dequantize_fp8(tensors: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    """FP8 weights with block scales -> bf16: each block of the weight times its `_scale_inv`.
+
+    Blocks are FP8_BLOCK x FP8_BLOCK, the edge ones partial. Other tensors pass through; scales
+    that do not match the weight's blocks are a DynoError.
+    """
+    out = {}
+    for name, v in tensors.items():
+        if name.endswith(FP8_SCALE) and name[: -len(FP8_SCALE)] in tensors:
+            continue
+        scale = tensors.get(name + FP8_SCALE)
+        if scale is not None:
+            v = _apply_block_scale(name, v, scale)
+        out[name] = v
+    return out
+
+
+def _apply_block_scale(name: str, w: mx.array, scale: mx.array) -> mx.array:
+    if w.ndim != 2 or scale.ndim != 2:
+        raise DynoError(f"{name} has shape {list(w.shape)} with scales {list(scale.shape)}: not 2-D FP8 blocks")
+    if [-(-d // FP8_BLOCK) for d in w.shape] != list(scale.shape):
+        raise DynoError(f"{name} has shape {list(w.shape)}; its scales {list(scale.shape)} are not one per "
+                        f"{FP8_BLOCK} x {FP8_BLOCK} block")
+    full = mx.repeat(mx.repeat(scale.astype(mx.float32), FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)
+    return (w.astype(mx.float32) * full[: w.shape[0], : w.shape[1]]).astype(mx.bfloat16)
 
 
 def read_tensors(path: Path, names: Iterable[str],

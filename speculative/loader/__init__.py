@@ -12,7 +12,8 @@ import mlx.nn as nn
 from ..backend import widen_experts
 from ..errors import DynoError, one_line
 from ..heads.find import resolve_head
-from ..heads.mtp import MTPHead, build_head
+from ..heads.mtp import NORM_RE, MTPHead, build_head, read_checkpoint_head
+from ..heads import norm_decision
 from ..heads import precision
 from ..heads.precision import HeadMemory
 from .source import ModelSource, resolve
@@ -178,8 +179,31 @@ def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: 
 
 def _find_and_build_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: Optional[str],
                          note, bits=None) -> None:
-    """Resolve the head, check it fits the trunk and set lm.head; raises DynoError when it cannot."""
-    weights = resolve_head(lm.path, lm.config, note, mtp_head, mtp_base, repo_id=lm.repo_id)
+    """Resolve the head, check it fits the trunk and set lm.head; raises DynoError when it cannot.
+
+    The model's own head comes first; one that cannot be built gives a notice, and the head is
+    looked for as for a model without one (Dyno cache, Hugging Face cache, the original's head).
+    """
+    own_error = None
+    if not mtp_head:
+        try:
+            own = read_checkpoint_head(lm.path)
+            if own is not None:
+                _build(lm, own, note, bits)
+                return
+        except DynoError as e:
+            own_error = e
+    try:
+        weights = resolve_head(lm.path, lm.config, note, mtp_head, mtp_base, repo_id=lm.repo_id, own=False)
+    except DynoError:
+        if own_error is None:
+            raise
+        weights = None
+    if own_error is not None:
+        if weights is None:  # nothing to fall back on: the own head's fault is the one to report
+            raise own_error
+        note(f"dyno: the MTP head in {lm.path} cannot be used: {own_error.message}; "
+             f"drafting with the head from {weights.source}")
     if weights is None:
         if mode == "mtp":
             raise DynoError(
@@ -187,9 +211,26 @@ def _find_and_build_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mt
                 f"model with a head was found; pass --mtp-head <folder>"
             )
         return
+    _build(lm, weights, note, bits)
+
+
+def _build(lm: LoadedModel, weights, note, bits=None) -> None:
+    """Build `weights` into lm.head, deciding its norm convention first when provenance did not."""
     _check_vocab(lm, weights)
-    quantization = lm.config.get("quantization")
-    lm.head = build_head(lm.target.args, weights, quantization, precision.head_bits(bits, quantization))
+    trunk_quantization = lm.config.get("quantization")
+    quantization = weights.quantization or trunk_quantization
+    chosen = precision.head_bits(bits, trunk_quantization)
+    if weights.norms_shifted is None:
+        # Built as stored, then its norms are read each possible way (heads/norm_decision.py).
+        head = build_head(lm.target.args, weights.decided((), {}), quantization, chosen)
+        groups, decision = norm_decision.decide_norms(lm.target, lm.tokenizer, head, weights)
+        weights = weights.decided(groups, decision)
+        head.load_weights([(k, v) for k, v in weights.tensors.items() if NORM_RE.match(k)], strict=False)
+        mx.eval(head.parameters())
+        note(norm_decision.notice(weights.source, decision))
+        lm.head = head
+    else:
+        lm.head = build_head(lm.target.args, weights, quantization, chosen)
     widen_experts(lm.head)  # before measuring it: float32 experts where bf16 has no kernel
     lm.head_source = weights.source
     lm.head_memory = precision.head_memory(lm.head, weights.source)

@@ -62,7 +62,7 @@ def test_mlx_checkpoint_that_kept_its_head(tiny_dir, tiny_lm, tmp_path):
     weights.update({f"mtp.{k}": v for k, v in tree_flatten(lm.head.parameters())})
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     head = read_checkpoint_head(out)
-    assert head.norms_shifted is True  # provenance: conv1d already in MLX layout
+    assert head.norms_shifted is None  # an MLX conversion: decided against the model at load
     reloaded = load_checkpoint(out)
     expected = loaded_head_params(lm)
     for name, value in loaded_head_params(reloaded).items():
