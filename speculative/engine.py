@@ -18,11 +18,12 @@ from .config import SamplingParams, SpecConfig
 from .draft_vocab.head import draft_lm_head, greedy_token
 from .errors import DynoError
 from .events import Done, Provenance, Round, RoundDetails, Token, TokenLogprobs
+from .head_health import CONFIDENT, gives_up, watch
 from .loader import LoadedModel
 from .prompt_cache.store import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
 from .processors import PrefixProcessors, processors_for, with_prefix
 from .sampling import draft_params, draw, log_softmax, plain_sampler, warp
-from .verify import greedy_accept, lossless_accept
+from .verify import confident_rows, greedy_accept, lossless_accept
 
 Event = Union[Token, Round, Done]
 PREFILL_STEP = 2048  # mlx-lm's generate_step default; the same chunking keeps caches identical
@@ -68,6 +69,7 @@ def generate(
     try:
         for event in steps:
             if isinstance(event, Round):
+                watch(lm, event, spec.mode)
                 yield event
                 continue
             now = time.perf_counter()
@@ -97,8 +99,9 @@ def generate(
 
 
 def drafts(lm: LoadedModel, spec: SpecConfig) -> bool:
-    """True when a generation with `spec` drafts: speculation not off, and a head loaded."""
-    return spec.mode != "off" and lm.head is not None
+    """True when a generation with `spec` drafts: speculation not off, a head loaded, and under "auto"
+    not found collapsed (head_health.py)."""
+    return spec.mode != "off" and lm.head is not None and not gives_up(lm, spec.mode)
 
 
 def default_runner(lm: LoadedModel, params: SamplingParams, spec: SpecConfig, prefill_step: int) -> "Runner":
@@ -234,6 +237,10 @@ class Speculator:
         self.details = details  # also read each draft's p, q and acceptance chance (RoundDetails)
         self.drafted: List[int] = []  # the latest step's drafts, as verified
         self.round_details: Optional[RoundDetails] = None  # the latest step's, when `details`
+        # While the head's health is checked, each round also reads where the target was confident
+        # (Round.confident), with the round's sync; split across processes it is not checked.
+        self.health = lm.head_health if lm.ranks is None else None
+        self.confident: Tuple[bool, ...] = ()  # the latest step's, while checked
 
     def _split(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -363,6 +370,10 @@ class Speculator:
         checks = self._checks(drafts, draft_probs, target, n_acc, nxt) if self.details else None
         if checks is not None:
             mx.async_eval(*checks)
+        confident = None
+        if self.health is not None and self.health.checking:
+            confident = confident_rows(target, k, CONFIDENT, logprobs=self.params.greedy)
+            mx.async_eval(confident)
         # The head's rows for every position the round may keep, queued before the sync: row i
         # pairs trunk hidden i with the token after it, drafts[i] below n_acc and nxt at n_acc.
         # Causal attention keeps the rows past n_acc out of those before; the sync cuts them.
@@ -377,6 +388,7 @@ class Speculator:
         accepted = drafted[:a]
         self.drafted = drafted
         self.round_details = self._round_details(checks) if checks is not None else None
+        self.confident = tuple(confident.tolist()) if confident is not None else ()
         self.scores = self._scored(logits, accepted + [next_id])  # rows 0..a: the tokens kept
         rollback(self.trunk_cache, tapes, fed=k + 1, consumed=a + 1)
         self._trim_head(self.head_start + a + 1)
@@ -421,7 +433,7 @@ class Speculator:
         yield Token(self.generated[0], Provenance.PLAIN, self.scores[0])
         while True:
             accepted, nxt = self.step()
-            yield Round(self.depth, len(accepted), tuple(self.drafted), self.round_details)
+            yield Round(self.depth, len(accepted), tuple(self.drafted), self.round_details, self.confident)
             for t, score in zip(accepted, self.scores):
                 yield Token(t, Provenance.DRAFT, score)
             yield Token(nxt, Provenance.BONUS if len(accepted) == self.depth else Provenance.CORRECTION,

@@ -10,6 +10,7 @@ import mlx.nn as nn
 
 from .backend import widen_experts
 from .errors import DynoError, one_line
+from .head_health import HeadHealth
 from .heads.find import resolve_head
 from .heads.mtp import MTPHead, build_head
 from .heads import precision
@@ -37,6 +38,14 @@ class LoadedModel:
     generation_config: dict = field(default_factory=dict)
     head_memory: Optional[HeadMemory] = None  # bytes, precision and source of the head in memory
     ranks: Optional[Any] = None  # distributed.Ranks when the model is split across processes, else None
+    head_health: Optional[HeadHealth] = None  # whether the head's drafts work (head_health.py); with a head
+    notify: Optional[Callable[[str], None]] = None  # where notices after loading go too (the loader's `notify`)
+
+    def note(self, message: str) -> None:
+        """A notice: kept in `notices` and passed to `notify`."""
+        self.notices.append(message)
+        if self.notify:
+            self.notify(message)
 
     @property
     def text_config(self) -> dict:
@@ -111,12 +120,8 @@ def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mt
         raise DynoError(f"cannot load model {path}: {one_line(e)}") from None
     gen_path = path / "generation_config.json"
     generation_config = _read_json(gen_path, "generation config") if gen_path.exists() else {}
-    lm = LoadedModel(path, model, tokenizer, config, None, None, None, [], generation_config)
-
-    def note(message: str) -> None:
-        lm.notices.append(message)
-        if notify:
-            notify(message)
+    lm = LoadedModel(path, model, tokenizer, config, None, None, None, [], generation_config, notify=notify)
+    note = lm.note
 
     widened = widen_experts(model)
     if widened:
@@ -166,6 +171,7 @@ def _find_and_build_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mt
     widen_experts(lm.head)  # before measuring it: float32 experts where bf16 has no kernel
     lm.head_source = weights.source
     lm.head_memory = precision.head_memory(lm.head, weights.source)
+    lm.head_health = HeadHealth()
     requested = precision.parse_head_bits(bits)
     if requested is not None and requested != lm.head_memory.bits:  # stored quantized: no bits to add back
         note(f"dyno: the MTP head in {weights.source} is stored {lm.head_memory.precision}; "
