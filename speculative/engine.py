@@ -67,9 +67,16 @@ def generate(
     n = 0
     reason = "length"
     try:
-        for event in steps:
+        while (event := next(steps, None)) is not None:  # (steps may change: see plain_after)
             if isinstance(event, Round):
                 watch(lm, event, spec.mode)
+                if gives_up(lm, spec.mode) and isinstance(runner, Speculator) and not params.has_processors:
+                    # The head collapsed: the rest plainly, from the tokens delivered (this round's are
+                    # dropped, and plain decoding makes them again). With processors the request drafts on:
+                    # they would read the delivered tokens as prompt.
+                    steps.close()
+                    runner, steps = plain_after(runner, lm, params, prefill_step, n)
+                    continue
                 yield event
                 continue
             now = time.perf_counter()
@@ -145,6 +152,15 @@ def scored(logprobs: Optional[mx.array], tokens: Sequence[int], top: Optional[in
         mx.eval(chosen)
         pairs = [()] * len(tokens)
     return [TokenLogprobs(c, p) for c, p in zip(chosen.tolist(), pairs)]
+
+
+def plain_after(spec_run: "Speculator", lm: LoadedModel, params: SamplingParams, prefill_step: int,
+                emitted: int) -> Tuple["PlainRun", Iterator[Token]]:
+    """A PlainRun (and its tokens) continuing `spec_run`'s generation after its first `emitted` tokens."""
+    entry = spec_run.settle(emitted)
+    tokens = spec_run.prompt + spec_run.generated[:emitted]
+    plain = PlainRun(lm, params, prefill_step)
+    return plain, plain.run(tokens, Resume(len(entry.tokens), entry.trunk_cache, checkpoints=entry.checkpoints))
 
 
 class PlainRun:

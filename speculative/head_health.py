@@ -62,8 +62,11 @@ def collapse_notice(lm, health: HeadHealth, mode: str) -> str:
     what drafting does now (`auto` stops, `mtp` goes on)."""
     memory = lm.head_memory
     precision = memory.precision if memory is not None else "unknown precision"
-    provenance = getattr(lm.head, "provenance", None)
-    norms = provenance.get("norm_decision") if isinstance(provenance, dict) else None
+    norms = None  # what the loader decided about the +1 norm shift, where the head's provenance says
+    for provenance in (getattr(lm.head, "provenance", None), getattr(lm, "head_provenance", None)):
+        if isinstance(provenance, dict) and provenance.get("norm_decision"):
+            norms = provenance["norm_decision"]
+            break
     then = ("decoding without drafts from now on" if mode == "auto"
             else "still drafting, as --speculative mtp asks")
     return (f"dyno: warning: the MTP head from {lm.head_source} ({precision}, norms: {norms or 'as stored'}) "
