@@ -51,6 +51,9 @@ def generate(
     state after this generation is kept, settled to exactly the tokens the consumer received,
     whether it ends at EOS or max_tokens, when `until` returns a finish reason after a token (a
     stop string, a cancel), or when the consumer closes the generator. Not when the engine raised.
+
+    Each Round feeds the head's health (head_health.py); under "auto", once the head is found
+    collapsed, plain decoding takes over from the tokens delivered.
     """
     if len(prompt) == 0:
         raise DynoError("the prompt is empty")
