@@ -33,7 +33,7 @@ from .loader import LoadedModel
 from .memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Resume, ShiftedKVCache
 from .sampling import log_softmax, warp
-from .verify import greedy_accept, lossless_accept
+from .verify import CONFIDENT, confident_rows, greedy_accept, lossless_accept
 
 # Left padding every row of a cache shares is dropped once it reaches this many slots.
 COMPACT_AT = 256
@@ -354,7 +354,10 @@ class BatchSpeculator:
         logits, hidden, tapes = self.target.verify(
             mx.concatenate([self.pending[:, None], drafts], axis=1), self.trunk_cache)
         mx.async_eval(logits, hidden)
-        n_acc, nxt, processed = self._accept(logits, drafts, draft_probs)
+        health = self.lm.head_health
+        n_acc, nxt, processed, confident = self._accept(logits, drafts, draft_probs, health is not None and health.checking)
+        if confident is not None:  # read with the round's sync (Round.confident)
+            mx.async_eval(confident)
         # Head rows for every position a row may keep (as Speculator.step): cut the draft
         # recursion's rows, then row i pairs trunk hidden i with the token after it.
         for c in self.head_cache:
@@ -369,27 +372,37 @@ class BatchSpeculator:
         rollback_rows(self.head_cache, [], k + 1, kept)
         self.head_hidden = head_rows[mx.arange(B), n_acc][:, None]
         self.pending = nxt
-        out = self._emit(k, kept, drafts.tolist(), nxt.tolist(), processed)
+        confident = confident.tolist() if confident is not None else [()] * B
+        out = self._emit(k, kept, drafts.tolist(), nxt.tolist(), processed, confident)
         self._queue_next(then)  # computes while the host hands these tokens out
         return out
 
-    def _accept(self, logits: mx.array, drafts: mx.array, draft_probs: List) -> Tuple[mx.array, mx.array, List]:
+    def _accept(self, logits: mx.array, drafts: mx.array, draft_probs: List,
+                check: bool = False) -> Tuple[mx.array, mx.array, List, Optional[mx.array]]:
         """Each row's accepted count and next token by its own rule and key: ([B], [B], the
-        processed [k+1, V] logits per row). Greedy rows without processors share one pass."""
+        processed [k+1, V] logits per row, and when `check` the [B, k] Round.confident flags, else
+        None). Greedy rows without processors share one pass."""
+        k = drafts.shape[1]
         if self._all_greedy():  # every row at once
-            n_acc, nxt = greedy_accept(drafts, log_softmax(logits))
-            return n_acc, nxt.astype(drafts.dtype), logits
-        n_acc, nxt, processed = [], [], []
+            target = log_softmax(logits)
+            n_acc, nxt = greedy_accept(drafts, target)
+            confident = confident_rows(target, k, CONFIDENT, logprobs=True) if check else None
+            return n_acc, nxt.astype(drafts.dtype), logits, confident
+        n_acc, nxt, processed, confident = [], [], [], []
         for b, row in enumerate(self.rows):
             rows = row._process(logits[b], drafts[b])  # the processors the row's drafts saw
             if row.params.greedy:
-                n, t = greedy_accept(drafts[b], log_softmax(rows))
+                target = log_softmax(rows)
+                n, t = greedy_accept(drafts[b], target)
             else:
-                n, t = lossless_accept(drafts[b], draft_probs[b], mx.exp(warp(rows, row.params)), row._split())
+                target = mx.exp(warp(rows, row.params))
+                n, t = lossless_accept(drafts[b], draft_probs[b], target, row._split())
+            if check:
+                confident.append(confident_rows(target, k, CONFIDENT, logprobs=row.params.greedy))
             n_acc.append(n)
             nxt.append(t.astype(drafts.dtype))
             processed.append(rows)
-        return mx.stack(n_acc), mx.stack(nxt), processed
+        return mx.stack(n_acc), mx.stack(nxt), processed, mx.stack(confident) if check else None
 
     def draft(self, k: int):
         """k drafts per row by one head pass per step: ([B, k] tokens, per row [k, V] draft probs or None)."""
@@ -418,7 +431,8 @@ class BatchSpeculator:
         drafts = mx.stack(steps, axis=1)
         return drafts, [None if r.params.greedy else mx.concatenate(p) for r, p in zip(self.rows, probs)]
 
-    def _emit(self, k: int, kept: List[int], drafts: List[List[int]], nxt: List[int], processed) -> Dict[Hashable, RowEvents]:
+    def _emit(self, k: int, kept: List[int], drafts: List[List[int]], nxt: List[int], processed,
+              confident: Optional[List] = None) -> Dict[Hashable, RowEvents]:
         """Each row's Round and tokens, cut at its EOS or max_tokens; finished rows leave."""
         out, staying = {}, []
         for b, (row_id, row) in enumerate(zip(self.ids, self.rows)):
@@ -427,7 +441,8 @@ class BatchSpeculator:
             scores = row._scored(processed[b], tokens)
             last = Provenance.PLAIN if k == 0 else Provenance.BONUS if len(accepted) == k else Provenance.CORRECTION
             provenance = [Provenance.DRAFT] * len(accepted) + [last]
-            events, finish = ([Round(k, len(accepted), tuple(drafts[b][:k]))] if k else []), None
+            flags = tuple(confident[b]) if confident else ()
+            events, finish = ([Round(k, len(accepted), tuple(drafts[b][:k]), confident=flags)] if k else []), None
             sent = 0
             for t, p, s in zip(tokens, provenance, scores):
                 row.generated.append(t)

@@ -19,12 +19,13 @@ from .config import SamplingParams, SpecConfig
 from .draft_vocab.head import draft_lm_head, greedy_token
 from .errors import DynoError
 from .events import Done, Provenance, Round, RoundDetails, Token, TokenLogprobs
+from .heads.health import gives_up, watch
 from .loader import LoadedModel
 from .memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
 from .processors import PrefixProcessors, processors_for, with_prefix
 from .sampling import draft_params, draw, log_softmax, plain_sampler, warp
-from .verify import greedy_accept, lossless_accept
+from .verify import CONFIDENT, confident_rows, greedy_accept, lossless_accept
 
 Event = Union[Token, Round, Done]
 PREFILL_STEP = 2048  # mlx-lm's generate_step default; the same chunking keeps caches identical
@@ -54,6 +55,9 @@ def generate(
     state after this generation is kept, settled to exactly the tokens the consumer received,
     whether it ends at EOS or max_tokens, when `until` returns a finish reason after a token (a
     stop string, a cancel), or when the consumer closes the generator. Not when the engine raised.
+
+    Each Round feeds the head's health (heads/health.py); under "auto", once the head is found
+    collapsed, plain decoding takes over from the tokens delivered.
     """
     if len(prompt) == 0:
         raise DynoError("the prompt is empty")
@@ -71,8 +75,16 @@ def generate(
         n = 0
         reason = "length"
         try:
-            for event in steps:
+            while (event := next(steps, None)) is not None:  # (steps may change: see plain_after)
                 if isinstance(event, Round):
+                    watch(lm, event, spec.mode)
+                    if gives_up(lm, spec.mode) and isinstance(runner, Speculator) and not params.has_processors:
+                        # The head collapsed: the rest plainly, from the tokens delivered (this round's are
+                        # dropped, and plain decoding makes them again). With processors the request drafts
+                        # on: they would read the delivered tokens as prompt.
+                        steps.close()
+                        runner, steps = plain_after(runner, lm, params, prefill_step, n)
+                        continue
                     yield event
                     continue
                 now = time.perf_counter()
@@ -102,8 +114,9 @@ def generate(
 
 
 def drafts(lm: LoadedModel, spec: SpecConfig) -> bool:
-    """True when a generation with `spec` drafts: speculation not off, and a head loaded."""
-    return spec.mode != "off" and lm.head is not None
+    """True when a generation with `spec` drafts: speculation not off, a head loaded, and under "auto"
+    not found collapsed (heads/health.py)."""
+    return spec.mode != "off" and lm.head is not None and not gives_up(lm, spec.mode)
 
 
 def default_runner(lm: LoadedModel, params: SamplingParams, spec: SpecConfig, prefill_step: int,
@@ -148,6 +161,15 @@ def scored(logprobs: Optional[mx.array], tokens: Sequence[int], top: Optional[in
         mx.eval(chosen)
         pairs = [()] * len(tokens)
     return [TokenLogprobs(c, p) for c, p in zip(chosen.tolist(), pairs)]
+
+
+def plain_after(spec_run: "Speculator", lm: LoadedModel, params: SamplingParams, prefill_step: int,
+                emitted: int) -> Tuple["PlainRun", Iterator[Token]]:
+    """A PlainRun (and its tokens) continuing `spec_run`'s generation after its first `emitted` tokens."""
+    entry = spec_run.settle(emitted)
+    tokens = spec_run.prompt + spec_run.generated[:emitted]
+    plain = PlainRun(lm, params, prefill_step, spec_run.memory)
+    return plain, plain.run(tokens, Resume(len(entry.tokens), entry.trunk_cache, checkpoints=entry.checkpoints))
 
 
 class PlainRun:
@@ -243,6 +265,10 @@ class Speculator:
         self.details = details  # also read each draft's p, q and acceptance chance (RoundDetails)
         self.drafted: List[int] = []  # the latest step's drafts, as verified
         self.round_details: Optional[RoundDetails] = None  # the latest step's, when `details`
+        # While the head's health is checked, each round also reads where the target was confident
+        # (Round.confident), with the round's sync; split across processes it is not checked.
+        self.health = lm.head_health if lm.ranks is None else None
+        self.confident: Tuple[bool, ...] = ()  # the latest step's, while checked
 
     def _split(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -373,6 +399,10 @@ class Speculator:
         checks = self._checks(drafts, draft_probs, target, n_acc, nxt) if self.details else None
         if checks is not None:
             mx.async_eval(*checks)
+        confident = None
+        if self.health is not None and self.health.checking:
+            confident = confident_rows(target, k, CONFIDENT, logprobs=self.params.greedy)
+            mx.async_eval(confident)
         # The head's rows for every position the round may keep, queued before the sync: row i
         # pairs trunk hidden i with the token after it, drafts[i] below n_acc and nxt at n_acc.
         # Causal attention keeps the rows past n_acc out of those before; the sync cuts them.
@@ -387,6 +417,7 @@ class Speculator:
         accepted = drafted[:a]
         self.drafted = drafted
         self.round_details = self._round_details(checks) if checks is not None else None
+        self.confident = tuple(confident.tolist()) if confident is not None else ()
         self.scores = self._scored(logits, accepted + [next_id])  # rows 0..a: the tokens kept
         rollback(self.trunk_cache, tapes, fed=k + 1, consumed=a + 1)
         self._trim_head(self.head_start + a + 1)
@@ -434,7 +465,7 @@ class Speculator:
         while True:
             accepted, nxt = self.step()
             clearing.add(len(accepted) + 1)
-            yield Round(self.depth, len(accepted), tuple(self.drafted), self.round_details)
+            yield Round(self.depth, len(accepted), tuple(self.drafted), self.round_details, self.confident)
             for t, score in zip(accepted, self.scores):
                 yield Token(t, Provenance.DRAFT, score)
             yield Token(nxt, Provenance.BONUS if len(accepted) == self.depth else Provenance.CORRECTION,

@@ -66,12 +66,15 @@ class Round:
     than `accepted` of its DRAFT tokens, so counts of what was delivered fold the tokens
     (speculative.stats.GenerationStats), not this field. `drafts` are the drafted ids (the ones
     past `accepted` were refused); `details` only when SpecConfig.details asked for them.
+    `confident[i]`: the target's own top token had probability >= verify.CONFIDENT at draft i's
+    position; only while the loaded head's health is being checked (empty otherwise).
     """
 
     drafted: int
     accepted: int
     drafts: Tuple[int, ...] = ()
     details: Optional[RoundDetails] = None
+    confident: Tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)

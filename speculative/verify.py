@@ -5,6 +5,7 @@ Names: `draft_probs` (q) is the distribution each draft token was drawn from; `t
 i + 1; row k (one past the last draft) gives the bonus token when every draft is kept.
 """
 
+import math
 from typing import Tuple
 
 import mlx.core as mx
@@ -25,6 +26,16 @@ def greedy_accept(draft_tokens: mx.array, target_logprobs: mx.array) -> Tuple[mx
     k = draft_tokens.shape[-1]
     n = _accepted_prefix(draft_tokens == target_tokens[..., :k])
     return n, mx.take_along_axis(target_tokens, n[..., None], axis=-1)[..., 0]
+
+
+CONFIDENT = 0.5  # the target's probability of its own top token that makes a position count (heads/health.py)
+
+
+def confident_rows(target: mx.array, k: int, threshold: float, logprobs: bool) -> mx.array:
+    """[..., k] bool: the target's top token has probability >= `threshold` at rows 0..k-1 (the drafts'
+    positions); `target` holds log-probabilities when `logprobs`, else probabilities."""
+    top = mx.max(target[..., :k, :], axis=-1)
+    return top >= (math.log(threshold) if logprobs else threshold)
 
 
 def residual(target_probs: mx.array, draft_probs: mx.array) -> mx.array:

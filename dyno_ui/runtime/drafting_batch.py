@@ -8,7 +8,8 @@ batch drops a row's caches when it finishes). Rows leave at EOS, max_tokens, a s
 or an error of their own (its processors or its output raising): that row fails, the others go on.
 Each round's depth is the worker's DepthPolicy's for the rows in it (pinned by --draft-depth N, else
 chosen by measured cost, 0 included), and the policy learns acceptance and round times from the
-rounds it sees.
+rounds it sees. The rounds also feed the head's health (speculative/heads/health.py); a head found
+collapsed under --speculative auto gets plain rounds only from then on.
 """
 
 import logging
@@ -19,7 +20,8 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from speculative.batched import BatchSpeculator, RowEvents
-from speculative.events import Token
+from speculative.events import Round, Token
+from speculative.heads.health import gives_up, watch
 from speculative.measure.batch_cost import RoundTimer
 from speculative.prompt_cache.store import entry_from
 from speculative.stats import GenerationStats
@@ -95,7 +97,10 @@ class DraftingBatch:
             if not self.active:
                 continue
             width = len(self.batch)
-            depth, then = w.policy.depth_for(width), w.policy.peek(width)
+            if gives_up(w.lm, w.spec.mode):  # a collapsed head under auto: plain rounds from now on
+                depth = then = 0
+            else:
+                depth, then = w.policy.depth_for(width), w.policy.peek(width)
             try:
                 self.timer.start(width, depth, then)
                 start = time.perf_counter()
@@ -113,6 +118,10 @@ class DraftingBatch:
                 continue
             w.metrics.record_round(width, depth, seconds)
             w.policy.observe(e for out in rounds.values() for e in out.events)
+            for out in rounds.values():
+                for event in out.events:
+                    if isinstance(event, Round):
+                        watch(w.lm, event, w.spec.mode)
             for row, out in rounds.items():
                 self.active[row].stats.add_width(width)
                 self._deliver(row, out)

@@ -8,10 +8,11 @@ with the `mlx:` prefix.
 
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from speculative.heads.health import HeadHealth
 from speculative.stats import GenerationStats
 
 WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, float("inf"))
@@ -74,6 +75,10 @@ class ServerMetrics:
         self.round_seconds = Histogram("mlx:batch_round_seconds",
                                        "Wall time of each batched round, by the draft depth chosen for it",
                                        ["depth"], buckets=ROUND_BUCKETS, registry=r)
+        self.head_collapsed = Gauge(
+            "mlx:mtp_head_collapsed",
+            "1 when the loaded MTP head's drafts were found to fail where the model is confident, else 0",
+            registry=r)
         self._lock = threading.Lock()
         self._width = self._max_width = 0
         self._rounds_by_width: dict = {}
@@ -92,6 +97,10 @@ class ServerMetrics:
             self.accepted_per_position.labels(position=str(pos))  # exported as 0 before any request
             self.drafted_per_position.labels(position=str(pos))
             self.acceptance_by_position.labels(position=str(pos))
+
+    def watch_head(self, health: Callable[[], Optional[HeadHealth]]) -> None:
+        """Export the served head's health, read through `health` at each scrape (a model swap changes it)."""
+        self.head_collapsed.set_function(lambda: float(bool((h := health()) is not None and h.collapsed)))
 
     def set_width(self, width: int) -> None:
         """How many requests are being decoded together now (called as they join and leave)."""

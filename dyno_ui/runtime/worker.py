@@ -256,6 +256,7 @@ class EngineWorker:
             self.lm, self.spec = self.load()
             self.eos = self.lm.eos_token_ids
             self.metrics = ServerMetrics(self.spec.draft_depth if self.drafting else None)
+            self.metrics.watch_head(lambda: self.lm.head_health if self.lm is not None else None)
             if self.concurrency > 1 and self.drafting:
                 self.policy = self.depth_policy(self.lm, self.spec)
             self._new_prompt_cache()

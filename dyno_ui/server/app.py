@@ -38,8 +38,10 @@ def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES,
 
     @app.get("/stats")
     def stats():
-        memory = served.lm.head_memory  # the model served now (the Models tab can swap it)
-        return {**metrics.stats_json(), "mtp_head": memory.as_json() if memory else None}
+        lm = served.lm  # the model served now (the Models tab can swap it)
+        memory, health = lm.head_memory, lm.head_health
+        head = {**memory.as_json(), "health": health.as_json() if health else None} if memory else None
+        return {**metrics.stats_json(), "mtp_head": head}
 
     @app.get("/metrics")
     def prometheus():

@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from ..backend import widen_experts
 from ..errors import DynoError, one_line
+from ..heads.health import HeadHealth
 from ..heads.find import resolve_head
 from ..heads.mtp import NORM_RE, MTPHead, build_head, read_checkpoint_head
 from ..heads import norm_decision
@@ -42,11 +43,20 @@ class LoadedModel:
     head_memory: Optional[HeadMemory] = None  # bytes, precision and source of the head in memory
     ranks: Optional[Any] = None  # distributed.Ranks when the model is split across processes, else None
     repo_id: Optional[str] = None  # the Hugging Face repo it was named by (or whose cache snapshot it is)
+    head_health: Optional[HeadHealth] = None  # whether the head's drafts work (heads/health.py); with a head
+    notify: Optional[Callable[[str], None]] = None  # where notices after loading go too (the loader's `notify`)
+    norm_decision: Optional[str] = None  # how the head's +1 norm shift was decided at load, when it was
 
     @property
     def name(self) -> str:
         """What the model is called in /v1/models and notices: the repo id typed, else the folder's name."""
         return self.repo_id or self.path.name
+
+    def note(self, message: str) -> None:
+        """A notice: kept in `notices` and passed to `notify`."""
+        self.notices.append(message)
+        if self.notify:
+            self.notify(message)
 
     @property
     def text_config(self) -> dict:
@@ -124,12 +134,9 @@ def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mt
         raise DynoError(f"cannot load model {path}: {one_line(e)}") from None
     gen_path = path / "generation_config.json"
     generation_config = _read_json(gen_path, "generation config") if gen_path.exists() else {}
-    lm = LoadedModel(path, model, tokenizer, config, None, None, None, [], generation_config, repo_id=source.repo_id)
-
-    def note(message: str) -> None:
-        lm.notices.append(message)
-        if notify:
-            notify(message)
+    lm = LoadedModel(path, model, tokenizer, config, None, None, None, [], generation_config, repo_id=source.repo_id,
+                     notify=notify)
+    note = lm.note
 
     widened = widen_experts(model)
     if widened:
@@ -228,12 +235,14 @@ def _build(lm: LoadedModel, weights, note, bits=None) -> None:
         head.load_weights([(k, v) for k, v in weights.tensors.items() if NORM_RE.match(k)], strict=False)
         mx.eval(head.parameters())
         note(norm_decision.notice(weights.source, decision))
+        lm.norm_decision = f"{norm_decision.describe(decision['shifted_at_load'])}, decided at load"
         lm.head = head
     else:
         lm.head = build_head(lm.target.args, weights, quantization, chosen)
     widen_experts(lm.head)  # before measuring it: float32 experts where bf16 has no kernel
     lm.head_source = weights.source
     lm.head_memory = precision.head_memory(lm.head, weights.source)
+    lm.head_health = HeadHealth()
     requested = precision.parse_head_bits(bits)
     if requested is not None and requested != lm.head_memory.bits:  # stored quantized: no bits to add back
         note(f"dyno: the MTP head in {weights.source} is stored {lm.head_memory.precision}; "

@@ -58,13 +58,15 @@ class Running:
 
 @contextmanager
 def running_server(model_dir, spec: SpecConfig = SpecConfig(), decode_concurrency: int = 1,
-                   options: ServeOptions = ServeOptions(), drafting_batch: bool = False, worker_kw=None, **app_kw):
+                   options: ServeOptions = ServeOptions(), drafting_batch: bool = False, worker_kw=None,
+                   load_kw=None, **app_kw):
     """A started server for the checkpoint in `model_dir`, with `options`' key, origins, model names and
     reasoning budget; stopped (thread joined) on exit. Batched (decode_concurrency > 1) it decodes without
-    drafts unless `drafting_batch`; `worker_kw` go to the EngineWorker (max_queue, max_batch_memory, depth_for)."""
+    drafts unless `drafting_batch`; `worker_kw` go to the EngineWorker (max_queue, max_batch_memory, depth_for),
+    `load_kw` to load_checkpoint (mtp_head, ...)."""
     mode = "off" if decode_concurrency > 1 and not drafting_batch else spec.mode
-    worker = EngineWorker(lambda: (load_checkpoint(model_dir, mode=mode), spec), decode_concurrency=decode_concurrency,
-                          **(worker_kw or {}))
+    worker = EngineWorker(lambda: (load_checkpoint(model_dir, mode=mode, **(load_kw or {})), spec),
+                          decode_concurrency=decode_concurrency, **(worker_kw or {}))
     lm = worker.start()
     served = ServedModel(id=MODEL_ID, lm=lm, worker=worker, default_max_tokens=64, created=0,
                          names=options.served_model_names, reasoning_budget=options.reasoning_budget)

@@ -56,7 +56,9 @@ def test_models_and_health(server):
     assert [m.id for m in server.client.models.list().data] == [MODEL_ID]
     assert server.get("/health").json() == {"status": "ok", "model": MODEL_ID}
     head = server.stats()["mtp_head"]  # a float trunk: the head stays as stored
-    assert head == {**server.served.lm.head_memory.as_json(), "bits": 16, "precision": "float32", "group_size": None}
+    assert head == {**server.served.lm.head_memory.as_json(), "bits": 16, "precision": "float32", "group_size": None,
+                    "health": server.served.lm.head_health.as_json()}
+    assert head["health"]["status"] in ("checking", "ok")
 
 
 def test_completion_equals_mlx_lm_and_dyno_generate(server, tiny_dir, tiny_lm, capsys):
