@@ -79,3 +79,10 @@ def pytest_collection_modifyitems(config, items):
             if not item.get_closest_marker("gpu"):
                 item.add_marker(bit_exact)
 
+
+@pytest.fixture
+def metal_kernel(monkeypatch):
+    """Metal's Gated DeltaNet branch on this machine (helpers/metal.py): the stand-in kernel mlx-lm calls."""
+    from helpers.metal import emulate
+
+    return emulate(monkeypatch)
