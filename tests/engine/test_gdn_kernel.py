@@ -133,7 +133,7 @@ def check_commits(tapes, T, kernel, same):
 
 
 def test_the_batched_commit_is_one_call_equal_to_a_replay_per_row(dyno_tiny, metal_kernel):
-    B, T = 4, 4
+    B, T = 3, 4  # as the test on the device's branch below: the kernels MLX compiles for a shape are shared
     tapes = verified(dyno_tiny, B, T)
     assert tapes and all(t.replay is not None for t in tapes)  # the kernel branch
     check_commits(tapes, T, metal_kernel, lambda x, y: x.dtype == y.dtype and mx.array_equal(x, y).item())
