@@ -21,9 +21,8 @@ from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, 
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, dynamic_roll
-from mlx_lm.models.gated_delta import gated_delta_update
 
-from .rollback import GDNTape, restore, snapshot
+from .rollback import GDNTape, replay_rows, restore, snapshot
 from .config import SamplingParams
 from .draft_vocab.head import draft_lm_head, greedy_token
 from .engine import PREFILL_STEP, Speculator
@@ -99,24 +98,22 @@ def trim_rows(cache: BatchKVCache, fed: int, kept: List[int]) -> None:
 
 def commit_rows(tape: GDNTape, consumed: List[int]) -> None:
     """GDNTape.commit per row: row i's conv window and state after its first consumed[i] tokens."""
+    window = tape.cache[0].shape[1]  # K-1: the pass left its last rows there, and its final state
+    steps = tape.conv_input.shape[1] - window
+    if all(n == steps for n in consumed):  # every row kept every token: the cache is already right
+        return
     if len(set(consumed)) == 1:
         tape.commit(consumed[0])
         return
     rows = mx.arange(len(consumed))
     c = mx.array(consumed)
-    window = tape.cache[0].shape[1]  # K-1: the pass left its last rows there
     # After consuming c tokens the window is rows [c, c + K-1) of conv_input.
     tape.cache[0] = tape.conv_input[rows[:, None], c[:, None] + mx.arange(window)[None]]
     if tape.states is not None:
         states = mx.stack([tape.state_before] + tape.states, axis=1)  # [B, T+1, Hv, Dv, Dk]
         tape.cache[1] = states[rows, c]
-    else:  # the Metal kernel kept only the final state: replay each row's kept steps
-        q, k, v, a, b, layer = tape.replay
-        tape.cache[1] = mx.concatenate([
-            gated_delta_update(q[i : i + 1, :n], k[i : i + 1, :n], v[i : i + 1, :n], a[i : i + 1, :n],
-                               b[i : i + 1, :n], layer.A_log, layer.dt_bias, tape.state_before[i : i + 1])[1]
-            for i, n in enumerate(consumed)
-        ])
+    else:  # the Metal kernel kept only the final state: replay each row's kept steps, in one call
+        tape.cache[1] = replay_rows(tape.replay, tape.state_before, tape.cache[1], consumed)
 
 
 def rollback_rows(attention: List, tapes: List[GDNTape], fed: int, kept: List[int]) -> None:

@@ -57,6 +57,27 @@ class GDNTape:
         return self.states if self.states is not None else range(self.replay.q.shape[1])
 
 
+def replay_rows(replay: Replay, state_before: mx.array, end_state: mx.array, consumed: Sequence[int]) -> mx.array:
+    """Row i's state after its first consumed[i] steps, all rows in one gated_delta_update call; a row
+    that consumed every step keeps `end_state`, the pass's own final state.
+
+    Steps past a row's count become identity steps: a = b = -inf makes the decay exp(-0) = 1 and the
+    write strength sigmoid(-inf) = 0, so the state goes through unchanged (x * 1 + 0). mlx-lm's `mask`
+    would too, but on Metal it takes another kernel than the verify pass where mlx-lm's packed one
+    applies (Dk = 128), and the two sum alike only as far as simd_sum lowers to the packed one's tree.
+    """
+    q, k, v, a, b, layer = replay
+    steps = q.shape[1]
+    n = max((c for c in consumed if c < steps), default=0)  # no row needs the steps past it
+    c = mx.array(consumed)
+    keep = (mx.arange(n)[None] < c[:, None])[..., None]  # [B, n, 1]
+    a, b = mx.where(keep, a[:, :n], -mx.inf), mx.where(keep, b[:, :n], -mx.inf)
+    state = state_before
+    if n:
+        _, state = gated_delta_update(q[:, :n], k[:, :n], v[:, :n], a, b, layer.A_log, layer.dt_bias, state)
+    return mx.where((c < steps)[:, None, None, None], state, end_state)
+
+
 def snapshot(cache: List[Any]) -> list:
     """What `restore` needs to rewind `cache` to now: the write index of attention caches (a batch
     cache's offsets are per row, its index is shared), references to the GDN arrays (MLX arrays are

@@ -13,18 +13,15 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask, gather_last_axis
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
+from .attention_kernels import on_metal
 from .rollback import GDNTape, Replay
 
 
 def kernel_path(layer) -> bool:
-    """Mirror of gated_delta_update's dispatch: True when it would use the Metal kernel."""
-    return (
-        not layer.training
-        and mx.default_device() == mx.gpu
-        and mx.metal.is_available()
-        and layer.head_k_dim >= 32
-        and layer.head_k_dim % 32 == 0
-    )
+    """True when mlx-lm's gated_delta_update would take its Metal kernel for `layer` (only the final
+    state comes out). mlx-lm exposes no predicate, so this is its dispatch rule as of 0.32.2; a test
+    holds it to where mlx-lm's own update goes for each shape (tests/engine/test_gdn_kernel.py)."""
+    return not layer.training and on_metal() and layer.head_k_dim >= 32 and layer.head_k_dim % 32 == 0
 
 
 def _recurrence_with_states(q, k, v, a, b, layer, state):

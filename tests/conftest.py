@@ -18,7 +18,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["TMPDIR"] = _worker_tmp
     tempfile.tempdir = None  # tempfile looks again (DYNO_CACHE below lands in the worker's folder)
 
+import mlx.core as mx
 import pytest
+
+# The exactness tests compare bits, which hold on MLX's CPU backend alone (docs/how-it-works.md,
+# Exactness on GPU backends): the suite runs there, and so do the processes it starts (DYNO_DEVICE),
+# unless DYNO_TEST_DEVICE=gpu asks for the GPU; then only the tests marked `gpu` run.
+TEST_DEVICE = os.environ.get("DYNO_TEST_DEVICE", "cpu")
+if TEST_DEVICE not in ("cpu", "gpu"):
+    raise pytest.UsageError(f"DYNO_TEST_DEVICE must be cpu or gpu, not {TEST_DEVICE!r}")
+if not mx.is_available(getattr(mx, TEST_DEVICE)):
+    raise pytest.UsageError(f"DYNO_TEST_DEVICE={TEST_DEVICE}: this MLX has no {TEST_DEVICE} backend")
+os.environ["DYNO_DEVICE"] = TEST_DEVICE
+mx.set_default_device(getattr(mx, TEST_DEVICE))
 
 from helpers import tiny_models
 from helpers.tiny_models import CONFIGS
@@ -61,3 +73,16 @@ def pytest_collection_modifyitems(config, items):
     short files fill the end (a long file last keeps one worker busy while the other waits)."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)
+    if TEST_DEVICE == "gpu":
+        bit_exact = pytest.mark.skip(reason="compares bits: runs on the CPU device (DYNO_TEST_DEVICE unset)")
+        for item in items:
+            if not item.get_closest_marker("gpu"):
+                item.add_marker(bit_exact)
+
+
+@pytest.fixture
+def metal_kernel(monkeypatch):
+    """Metal's Gated DeltaNet branch on this machine (helpers/metal.py): the stand-in kernel mlx-lm calls."""
+    from helpers.metal import emulate
+
+    return emulate(monkeypatch)

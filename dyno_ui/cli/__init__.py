@@ -28,6 +28,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 2
     try:
+        from speculative.backend import device_from_env  # here: it pulls in mlx-lm, which --help does not need
+
+        device_from_env()
         return args.func(args)
     except DynoError as e:
         print(f"dyno: error: {e.message}", file=sys.stderr)

@@ -49,8 +49,8 @@ def fp32_trunk(lm, folder):
 
 
 def clean_env(tmp_path, **extra):
-    """This environment without HF_/DYNO_ settings, with fresh Hub and Dyno caches under tmp_path."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_"))}
+    """This environment without HF_/DYNO_ settings (but the device), with fresh Hub and Dyno caches under tmp_path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_")) or k == "DYNO_DEVICE"}
     return {**env, "HF_HUB_CACHE": str(tmp_path / "hf"), "DYNO_CACHE": str(tmp_path / "dyno"), **extra}
 
 

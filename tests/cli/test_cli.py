@@ -132,6 +132,16 @@ def test_a_bad_draft_vocabulary_is_one_line_exit_2_everywhere(command):
     assert r.stderr == "dyno: error: draft vocabulary must be a number of tokens >= 1, auto or full, got 'most'\n"
 
 
+def test_a_bad_device_is_one_line_exit_2(monkeypatch, capsys):
+    """DYNO_DEVICE picks the MLX device (the suite pins its subprocesses to the CPU with it); in process,
+    as main() is what the command runs."""
+    from dyno_ui.cli import main
+
+    monkeypatch.setenv("DYNO_DEVICE", "tpu")
+    assert main(["generate", "--prompt", "x"]) == 2
+    assert capsys.readouterr() == ("", "dyno: error: DYNO_DEVICE must be cpu or gpu, not 'tpu'\n")
+
+
 def test_argparse_errors_exit_2():
     r = dyno("generate", "--speculative", "fast", "--prompt", "x")
     assert r.returncode == 2 and "invalid choice: 'fast'" in r.stderr and "Traceback" not in r.stderr

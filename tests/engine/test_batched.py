@@ -326,3 +326,19 @@ def test_the_plain_pass_queued_ahead_is_taken_back_exactly(bundled):
     assert got["a"] == plain_greedy(lm, prompts[1], 12)
     assert got["b"] == plain_greedy(lm, prompts[2], 30)
     assert got["c"] == plain_greedy(lm, prompts[3], 30)[: len(got["c"])] and len(got["c"]) < 30
+
+
+def test_rows_on_the_metal_kernel_branch_are_plain_greedy(bundled, metal_kernel, monkeypatch):
+    """Metal's Gated DeltaNet branch (emulated, helpers/metal.py): the verify pass keeps replay tapes and
+    the commit replays the rows that rejected drafts, all in one call; rows stay plain greedy."""
+    lm = bundled("dyno-tiny")
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS[:2]]
+    limits = [24, 16]
+    commits, replay_rows = [], batched.replay_rows
+    monkeypatch.setattr(batched, "replay_rows", lambda *a: commits.append(a[-1]) or replay_rows(*a))
+    rows = [(i, p, SamplingParams(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, limits))]
+    events, _ = drive(BatchSpeculator(lm), 3, {0: rows})
+    for i, prompt in enumerate(prompts):
+        assert tokens(events[i]) == plain_greedy(lm, prompt, limits[i]), f"row {i}"
+    assert (2, 4) in [k[:2] for _, k, *_ in metal_kernel.calls]  # the verify of 2 rows x 4 tokens took it
+    assert any(len(set(c)) > 1 for c in commits)  # a ragged commit, by replay

@@ -176,7 +176,9 @@ DOWNLOAD = """
 import json, os, sys
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from speculative.backend import device_from_env
 from speculative.loader import load_checkpoint
+device_from_env()
 out = sys.argv[2]
 for bits in (16, 8, 4):
     os.environ["DYNO_CACHE"] = os.path.join(out, f"dyno-{bits}")  # a fresh cache: download again
@@ -190,7 +192,7 @@ def test_download_at_each_precision(repos, tmp_path):
     original, conversion, reference = repos
     with FakeHub() as hub:
         hub.add(REPO, original)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_")) or k == "DYNO_DEVICE"}
         env.update(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "hf"), HF_HUB_DISABLE_TELEMETRY="1")
         r = python("-c", DOWNLOAD, str(conversion), str(tmp_path), env=env, timeout=120)
     assert r.returncode == 0, r.stderr

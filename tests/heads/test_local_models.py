@@ -40,7 +40,7 @@ def test_hugging_face_cache_models_are_listed_once_each(tmp_path):
     """`dyno models` on a Hugging Face cache holding a copy of dyno-tiny, that folder also given by hand and by
     its repo id; it is listed by its repo id, as `--model` takes it."""
     snap = _snapshot(tmp_path / "hf", "org/tiny-copy", BUNDLED_MODEL)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNO_")) or k == "DYNO_DEVICE"}
     env.update(HF_HUB_CACHE=str(tmp_path / "hf"), DYNO_CACHE=str(tmp_path / "dyno"), HF_HUB_OFFLINE="1")
     r = dyno("models", str(snap), "org/tiny-copy", env=env)
     assert r.returncode == 0, r.stderr

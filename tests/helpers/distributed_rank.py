@@ -24,6 +24,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.utils import sharded_load  # noqa: E402
 
 from speculative import distributed  # noqa: E402
+from speculative.backend import device_from_env  # noqa: E402
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
 from speculative.errors import DynoError  # noqa: E402
 from speculative.events import Round, Token  # noqa: E402
@@ -107,6 +108,7 @@ def main() -> int:
     plan = json.loads(Path(args.plan).read_text())
     dog = distributed.Watchdog(grace=2.0)
     try:
+        device_from_env()  # as the dyno command: the suite pins its subprocesses to the CPU
         group = distributed.init_group("ring", args.init_timeout, watchdog=dog)
         results = [run_case(case, group, dog, plan.get("fault")) for case in plan["cases"]]
     except DynoError as e:
