@@ -111,9 +111,10 @@ def write_checkpoint(folder, text_config: dict, seed: int = 0, dtype=mx.bfloat16
         del arrays  # one shard in memory at a time
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     moe = bool(text_config.get("num_experts"))
+    # torch_dtype as releases write it: mlx-lm's convert casts to it, so a float32 model stays float32.
     config = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
               "model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": text_config,
-              "tie_word_embeddings": text_config["tie_word_embeddings"]}
+              "tie_word_embeddings": text_config["tie_word_embeddings"], "torch_dtype": dtype_name(dtype)}
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     write_tokenizer(folder)
     return folder
@@ -133,13 +134,20 @@ def quantize(source: Path, folder: Path, bits: int, group_size: int = 64) -> Tup
     return model, head
 
 
+def dtype_name(dtype) -> str:
+    """mlx.core.float32 -> "float32"."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
 @contextmanager
-def built(text_config: dict, bits: int = 16, seed: int = 0, root: Optional[str] = None) -> Iterator[Tuple[Path, Optional[Path]]]:
-    """(model folder, head folder or None) of a random checkpoint at `bits` (16: bf16 with the head
-    inside), in a temporary folder removed on exit, so one model at a time takes the disk."""
+def built(text_config: dict, bits: int = 16, seed: int = 0, root: Optional[str] = None,
+          dtype=mx.bfloat16) -> Iterator[Tuple[Path, Optional[Path]]]:
+    """(model folder, head folder or None) of a random checkpoint at `bits` (16: unquantized, in `dtype`,
+    with the head inside; else quantized from it), in a temporary folder removed on exit, so one model
+    at a time takes the disk."""
     tmp = Path(tempfile.mkdtemp(prefix="dyno-shape-", dir=root))
     try:
-        source = write_checkpoint(tmp / "bf16", text_config, seed)
+        source = write_checkpoint(tmp / dtype_name(dtype), text_config, seed, dtype=dtype)
         if bits == 16:
             yield source, None
         else:
