@@ -61,6 +61,8 @@ def main() -> int:
     ap.add_argument("--root", help="where the temporary checkpoint goes (default: the system's temp dir)")
     ap.add_argument("--scaled-down", action="store_true",
                     help="the shape with its widths cut down (random_checkpoint.scaled_down): a smoke test of the tool")
+    ap.add_argument("--keep", metavar="DIR", help="with --bits 16: build the checkpoint in DIR and leave it there, or "
+                    "reuse the one an earlier run left in DIR (remove it yourself: a 0.8B in float32 takes 3 GB)")
     ap.add_argument("--json", help="write the record here")
     args = ap.parse_args()
     # A stopped run (kill, timeout) exits through `built`'s cleanup: its checkpoint takes gigabytes.
@@ -80,6 +82,8 @@ def main() -> int:
         draft_vocab = int(args.draft_vocab)
     else:
         ap.error(f"--draft-vocab must be full, auto or a number of tokens below {vocab_size}: {args.draft_vocab!r}")
+    if args.keep and args.bits != 16:
+        ap.error("--keep needs --bits 16")
     contexts = [int(c) for c in args.context.split(",") if c]
     padded = [int(c) for c in args.padded.split(",") if c]
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -95,7 +99,7 @@ def main() -> int:
               "metal_attention": {k: metal_attention_kernel(config, k + 1) for k in range(1, 9)},
               "metal_vector_max_depth": deepest_vector_depth(config), "contexts": []}
     start = time.perf_counter()
-    with built(config, bits=args.bits, root=args.root, dtype=getattr(mx, args.dtype)) as (model, head):
+    with built(config, bits=args.bits, root=args.root, dtype=getattr(mx, args.dtype), keep=args.keep) as (model, head):
         say(f"built {args.shape} ({args.dtype}, {args.bits} bits) in {time.perf_counter() - start:.0f}s")
         lm = load_checkpoint(model, mode="mtp", mtp_head=str(head) if head else None)
         # What the products ran in, as loaded (not as asked): the trunk's vocabulary rows and the head's.

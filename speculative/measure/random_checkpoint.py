@@ -139,12 +139,34 @@ def dtype_name(dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
+def kept(folder: Path, text_config: dict, seed: int, dtype) -> bool:
+    """True when `folder` holds a whole checkpoint write_checkpoint made for this config, seed and dtype."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        stamp = json.loads((folder / "dyno-random.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (config.get("text_config") == text_config and config.get("torch_dtype") == dtype_name(dtype)
+            and stamp == {"seed": seed})
+
+
 @contextmanager
 def built(text_config: dict, bits: int = 16, seed: int = 0, root: Optional[str] = None,
-          dtype=mx.bfloat16) -> Iterator[Tuple[Path, Optional[Path]]]:
+          dtype=mx.bfloat16, keep: Optional[str] = None) -> Iterator[Tuple[Path, Optional[Path]]]:
     """(model folder, head folder or None) of a random checkpoint at `bits` (16: unquantized, in `dtype`,
     with the head inside; else quantized from it), in a temporary folder removed on exit, so one model
-    at a time takes the disk."""
+    at a time takes the disk. `keep` (16 bits only): that folder instead, left in place, and used as it
+    is when an earlier run left the same checkpoint there (writing one takes minutes on a slow CPU)."""
+    if keep is not None:
+        if bits != 16:
+            raise ValueError("keep applies to unquantized checkpoints")
+        folder = Path(keep)
+        if not kept(folder, text_config, seed, dtype):
+            shutil.rmtree(folder, ignore_errors=True)
+            write_checkpoint(folder, text_config, seed, dtype=dtype)
+            (folder / "dyno-random.json").write_text(json.dumps({"seed": seed}))  # last: the folder is whole
+        yield folder, None
+        return
     tmp = Path(tempfile.mkdtemp(prefix="dyno-shape-", dir=root))
     try:
         source = write_checkpoint(tmp / dtype_name(dtype), text_config, seed, dtype=dtype)
