@@ -8,6 +8,7 @@ conversions a real checkpoint takes. Tensors are made and written one shard at a
 (4 GB) never sits in memory whole.
 """
 
+import copy
 import json
 import math
 import shutil
@@ -51,7 +52,8 @@ def write_tokenizer(folder: Path, max_length: int = 262144) -> None:
 def hf_tensors(text_config: dict) -> List[Tuple[str, tuple, Optional[mx.array]]]:
     """(HF name, shape, init or None) of every tensor: None for matrices (drawn at random when
     written), mlx-lm's own init (lazy, small) for vectors, already in the HF convention."""
-    model = qwen3_5.TextModel(qwen3_5.TextModelArgs.from_dict(text_config))  # lazy: nothing allocated
+    # A copy: mlx-lm's args rewrite rope_parameters in place, and the config is written out as given.
+    model = qwen3_5.TextModel(qwen3_5.TextModelArgs.from_dict(copy.deepcopy(text_config)))  # lazy: nothing allocated
     out = []
     named = [(n, v, False) for n, v in tree_flatten(model.parameters())]
     named += [(n, v, True) for n, v in tree_flatten(MTPHead(model.args).parameters())]
@@ -139,15 +141,17 @@ def dtype_name(dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
+def stamp(text_config: dict, seed: int, dtype) -> dict:
+    """What a kept checkpoint was made from: written beside it last, so a whole folder has it."""
+    return {"seed": seed, "dtype": dtype_name(dtype), "text_config": text_config}
+
+
 def kept(folder: Path, text_config: dict, seed: int, dtype) -> bool:
     """True when `folder` holds a whole checkpoint write_checkpoint made for this config, seed and dtype."""
     try:
-        config = json.loads((folder / "config.json").read_text())
-        stamp = json.loads((folder / "dyno-random.json").read_text())
+        return json.loads((folder / "dyno-random.json").read_text()) == stamp(text_config, seed, dtype)
     except (OSError, ValueError):
         return False
-    return (config.get("text_config") == text_config and config.get("torch_dtype") == dtype_name(dtype)
-            and stamp == {"seed": seed})
 
 
 @contextmanager
@@ -164,7 +168,7 @@ def built(text_config: dict, bits: int = 16, seed: int = 0, root: Optional[str] 
         if not kept(folder, text_config, seed, dtype):
             shutil.rmtree(folder, ignore_errors=True)
             write_checkpoint(folder, text_config, seed, dtype=dtype)
-            (folder / "dyno-random.json").write_text(json.dumps({"seed": seed}))  # last: the folder is whole
+            (folder / "dyno-random.json").write_text(json.dumps(stamp(text_config, seed, dtype)))  # last: it is whole
         yield folder, None
         return
     tmp = Path(tempfile.mkdtemp(prefix="dyno-shape-", dir=root))

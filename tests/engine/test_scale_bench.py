@@ -86,11 +86,11 @@ def test_a_kept_checkpoint_is_reused(tmp_path):
 
     from speculative.measure.random_checkpoint import built
 
-    config = scaled_down(shapes.load("qwen3.5-0.8b")["text_config"])
-    with built(config, dtype=mx.float32, keep=str(tmp_path / "kept")) as (model, _):
+    config = lambda: scaled_down(shapes.load("qwen3.5-0.8b")["text_config"])  # noqa: E731  (fresh: as a new run reads it)
+    with built(config(), dtype=mx.float32, keep=str(tmp_path / "kept")) as (model, _):
         first = {p.name: p.stat().st_mtime_ns for p in model.iterdir()}
-    with built(config, dtype=mx.float32, keep=str(tmp_path / "kept")) as (model, _):
+    with built(config(), dtype=mx.float32, keep=str(tmp_path / "kept")) as (model, _):
         assert {p.name: p.stat().st_mtime_ns for p in model.iterdir()} == first  # not written again
-    with built(config, dtype=mx.bfloat16, keep=str(tmp_path / "kept")) as (model, _):
+    with built(config(), dtype=mx.bfloat16, keep=str(tmp_path / "kept")) as (model, _):
         assert json.loads((model / "config.json").read_text())["torch_dtype"] == "bfloat16"  # another: written anew
     assert (tmp_path / "kept" / "dyno-random.json").exists()  # left in place
