@@ -19,6 +19,6 @@ if [ "$#" -eq 0 ]; then
     exit 2
 fi
 # One thread unless told: on a few shared cores a second OpenBLAS thread spins against MLX's and other
-# work (measured on 2 busy cores: 4 rows cost 1.9x one row with two threads, 1.1x with one).
+# work (measured on 2 busy cores: 4 rows cost 1.9x one row with two threads, 1.0-1.2x with one).
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 LD_PRELOAD="$lib${LD_PRELOAD:+:$LD_PRELOAD}" exec "$@"
