@@ -2,6 +2,7 @@
 
     python tools/scale_bench.py --shape qwen3.5-0.8b --bits 16 --acceptance 27b-code --depths 1,2,3 \
         --context 64 --max-tokens 32 --pairs 3 --json out.json
+    tools/with_openblas.sh python tools/scale_bench.py --shape qwen3.5-0.8b --dtype float32 --draft-vocab auto ...
 
 Builds the checkpoint (speculative/measure/random_checkpoint.py) in a temporary folder, removed at
 the end; times T1, Tv(k), Td (whole vocabulary and auto's smallest draft vocabulary); runs plain
@@ -9,6 +10,11 @@ mlx-lm and Dyno at each depth in alternating pairs, Dyno's drafts replayed to th
 (speculative/measure/replay.py), output checked equal to plain greedy; prints a table and writes a
 JSON record. `--padded 8192,32768` adds contexts timed by the cost model alone, their attention caches
 padded with random rows (no prefill: minutes per thousand tokens on a slow CPU): the bound, not a speedup.
+
+`--dtype float32` with OpenBLAS preloaded (tools/with_openblas.sh) is the bandwidth-bound stand-in for
+decoding on Apple Silicon (docs/performance.md); the record and the table name the BLAS the run used.
+`--draft-vocab N|auto` drafts over N rows (auto: its floor, 1/8 of the vocabulary), the subset made by
+speculative/measure/scale.py's draft_subset (`--draft-ids first|seeded`) and labelled in the record.
 """
 
 import argparse
@@ -24,17 +30,25 @@ import mlx.core as mx
 import mlx_lm
 
 from speculative.attention_kernels import deepest_vector_depth, metal_attention_kernel
+from speculative.draft_vocab.head import lm_head_module
 from speculative.loader import load_checkpoint
 from speculative.measure import shapes
-from speculative.measure.random_checkpoint import built
+from speculative.measure.blas import compute_bound_note, detect
+from speculative.measure.random_checkpoint import built, dtype_name, scaled_down
 from speculative.measure.replay import parse_profile
-from speculative.measure.scale import measure_context, random_prompt
+from speculative.measure.scale import draft_vocab_floor, measure_context, random_prompt
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", required=True, choices=shapes.names())
     ap.add_argument("--bits", type=int, default=16, choices=[16, 8, 4])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the checkpoint's float type (float32: products through the BLAS; with --bits, what stays unquantized)")
+    ap.add_argument("--draft-vocab", default="full", metavar="N|auto|full",
+                    help="rows the replayed drafts project onto (auto: its floor, 1/8 of the vocabulary; default: full)")
+    ap.add_argument("--draft-ids", default="first", choices=["first", "seeded"],
+                    help="after the reference run's tokens, fill the draft vocabulary with the lowest ids or a seeded draw")
     ap.add_argument("--acceptance", default="27b-code", help="profile name or rates, e.g. 0.93,0.86,0.75")
     ap.add_argument("--depths", default="1,2,3")
     ap.add_argument("--context", default="64", help="prompt lengths in tokens, comma-separated (paired runs)")
@@ -45,6 +59,10 @@ def main() -> int:
     ap.add_argument("--padded", default="", help="contexts (comma-separated) timed by the cost model only, the "
                     "attention caches padded with random rows to that length after a short prompt (no prefill)")
     ap.add_argument("--root", help="where the temporary checkpoint goes (default: the system's temp dir)")
+    ap.add_argument("--scaled-down", action="store_true",
+                    help="the shape with its widths cut down (random_checkpoint.scaled_down): a smoke test of the tool")
+    ap.add_argument("--keep", metavar="DIR", help="with --bits 16: build the checkpoint in DIR and leave it there, or "
+                    "reuse the one an earlier run left in DIR (remove it yourself: a 0.8B in float32 takes 3 GB)")
     ap.add_argument("--json", help="write the record here")
     args = ap.parse_args()
     # A stopped run (kill, timeout) exits through `built`'s cleanup: its checkpoint takes gigabytes.
@@ -53,12 +71,26 @@ def main() -> int:
     profile = parse_profile(args.acceptance)
     if len(profile) < max(depths):
         ap.error(f"the profile has {len(profile)} positions; --depths goes to {max(depths)}")
+    shape = shapes.load(args.shape)
+    config = scaled_down(shape["text_config"]) if args.scaled_down else shape["text_config"]
+    vocab_size = config["vocab_size"]
+    if args.draft_vocab == "full":
+        draft_vocab = None
+    elif args.draft_vocab == "auto":
+        draft_vocab = draft_vocab_floor(vocab_size)
+    elif args.draft_vocab.isdigit() and 0 < int(args.draft_vocab) < vocab_size:
+        draft_vocab = int(args.draft_vocab)
+    else:
+        ap.error(f"--draft-vocab must be full, auto or a number of tokens below {vocab_size}: {args.draft_vocab!r}")
+    if args.keep and args.bits != 16:
+        ap.error("--keep needs --bits 16")
     contexts = [int(c) for c in args.context.split(",") if c]
     padded = [int(c) for c in args.padded.split(",") if c]
-    shape = shapes.load(args.shape)
-    config = shape["text_config"]
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    record = {"shape": args.shape, "source": shape["source"], "bits": args.bits, "profile": list(profile),
+    blas = detect()
+    say(blas.line())
+    record = {"shape": args.shape, "source": shape["source"], "bits": args.bits, "dtype": args.dtype,
+              "draft_vocab": draft_vocab, "profile": list(profile), "blas": blas.as_json(),
               "settings": vars(args), "parameters": shapes.parameter_count(config),
               "machine": {"platform": platform.platform(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
                           "backend": str(mx.default_device())},
@@ -67,19 +99,26 @@ def main() -> int:
               "metal_attention": {k: metal_attention_kernel(config, k + 1) for k in range(1, 9)},
               "metal_vector_max_depth": deepest_vector_depth(config), "contexts": []}
     start = time.perf_counter()
-    with built(config, bits=args.bits, root=args.root) as (model, head):
-        say(f"built {args.shape} at {args.bits} bits in {time.perf_counter() - start:.0f}s")
+    with built(config, bits=args.bits, root=args.root, dtype=getattr(mx, args.dtype), keep=args.keep) as (model, head):
+        say(f"built {args.shape} ({args.dtype}, {args.bits} bits) in {time.perf_counter() - start:.0f}s")
         lm = load_checkpoint(model, mode="mtp", mtp_head=str(head) if head else None)
+        # What the products ran in, as loaded (not as asked): the trunk's vocabulary rows and the head's.
+        record["loaded_dtype"] = {"lm_head": dtype_name(lm_head_module(lm.target).weight.dtype),
+                                  "mtp_head": dtype_name(lm.head.fc.weight.dtype)}
         for n in contexts:
             say(f"context {n}")
             record["contexts"].append(measure_context(lm, random_prompt(n), depths, profile, args.max_tokens,
-                                                      args.pairs, args.reps, notify=say))
+                                                      args.pairs, args.reps, notify=say, draft_vocab=draft_vocab,
+                                                      draft_ids=args.draft_ids))
         for n in padded:
             say(f"context {n}, padded")
             record["contexts"].append(measure_context(lm, random_prompt(args.pad_prompt), depths, profile, args.max_tokens,
-                                                      args.pairs, args.reps, paired=False, padded_to=n, notify=say))
+                                                      args.pairs, args.reps, paired=False, padded_to=n, notify=say,
+                                                      draft_vocab=draft_vocab, draft_ids=args.draft_ids))
         del lm
     print_table(record)
+    if (note := compute_bound_note(blas)) and args.dtype == "float32" and args.bits == 16:
+        print(note)
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1))
         say(f"wrote {args.json}")
@@ -88,7 +127,12 @@ def main() -> int:
 
 def print_table(record) -> None:
     ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
-    print(f"{record['shape']} {record['bits']}-bit, acceptance {record['profile']}, {record['machine']['backend']}")
+    precision = record.get("dtype", "bfloat16") if record["bits"] == 16 else f"{record['bits']}-bit"
+    drafts = f"drafts over {record['draft_vocab']} tokens" if record.get("draft_vocab") else "drafts over the whole vocabulary"
+    print(f"{record['shape']} {precision}, acceptance {record['profile']}, {drafts} (eff against "
+          f"{'b.sub' if record.get('draft_vocab') else 'bound'}), {record['machine']['backend']}")
+    if "blas" in record:
+        print(f"BLAS: {record['blas']['name']} ({record['blas']['path']})")
     print(f"{'context':>7} {'depth':>5} {'T1 ms':>6} {'Tv ms':>6} {'Tv/T1':>5} {'Td ms':>6} {'Td sub':>6} "
           f"{'tok/rnd':>7} {'bound':>5} {'b.sub':>5} {'speedup (min-max)':>18} {'eff':>5} {'metal attn':>10}")
     for c in record["contexts"]:

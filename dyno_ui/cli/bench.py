@@ -101,8 +101,21 @@ def _machine() -> dict:
     import mlx.core as mx
     import mlx_lm
 
+    from speculative.measure.blas import detect
+
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "backend": str(mx.default_device())}
+            "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "backend": str(mx.default_device()),
+            "blas": detect().as_json()}
+
+
+def _print_blas(record) -> None:
+    """The BLAS line of a table's header, and what a reference BLAS means for the figures (Linux)."""
+    from speculative.measure.blas import Blas, compute_bound_note
+
+    blas = Blas(**record["machine"]["blas"])
+    print(blas.line())
+    if note := compute_bound_note(blas):
+        print(note)
 
 
 def cmd_bench(args) -> int:
@@ -215,6 +228,7 @@ def _pooled(ss):
 def _print_table(record) -> None:
     rows = _aggregate(record)
     fmt = lambda v, f: "-" if v is None else format(v, f)
+    _print_blas(record)
     print(f"{'suite':10} {'T':>4} {'setting':8} {'tok/s':>7} {'vs mlx-lm':>18} {'tok/round':>9} "
           f"{'bound':>6} {'eff':>5} {'same':>5}  acceptance by position")
     for r in rows:
@@ -304,6 +318,7 @@ def cmd_concurrent(args) -> int:
 
 
 def _print_concurrent(record) -> None:
+    _print_blas(record)
     print(f"{'clients':>7} {'setting':14} {'tok/s':>7} {'vs plain':>17} {'vs mlx-lm':>17} {'latency':>8} "
           f"{'TTFT':>7} {'same':>5}  depths (rounds)")
     for res in record["results"]:

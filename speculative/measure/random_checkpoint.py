@@ -8,6 +8,7 @@ conversions a real checkpoint takes. Tensors are made and written one shard at a
 (4 GB) never sits in memory whole.
 """
 
+import copy
 import json
 import math
 import shutil
@@ -51,7 +52,8 @@ def write_tokenizer(folder: Path, max_length: int = 262144) -> None:
 def hf_tensors(text_config: dict) -> List[Tuple[str, tuple, Optional[mx.array]]]:
     """(HF name, shape, init or None) of every tensor: None for matrices (drawn at random when
     written), mlx-lm's own init (lazy, small) for vectors, already in the HF convention."""
-    model = qwen3_5.TextModel(qwen3_5.TextModelArgs.from_dict(text_config))  # lazy: nothing allocated
+    # A copy: mlx-lm's args rewrite rope_parameters in place, and the config is written out as given.
+    model = qwen3_5.TextModel(qwen3_5.TextModelArgs.from_dict(copy.deepcopy(text_config)))  # lazy: nothing allocated
     out = []
     named = [(n, v, False) for n, v in tree_flatten(model.parameters())]
     named += [(n, v, True) for n, v in tree_flatten(MTPHead(model.args).parameters())]
@@ -111,9 +113,10 @@ def write_checkpoint(folder, text_config: dict, seed: int = 0, dtype=mx.bfloat16
         del arrays  # one shard in memory at a time
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     moe = bool(text_config.get("num_experts"))
+    # torch_dtype as releases write it: mlx-lm's convert casts to it, so a float32 model stays float32.
     config = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
               "model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": text_config,
-              "tie_word_embeddings": text_config["tie_word_embeddings"]}
+              "tie_word_embeddings": text_config["tie_word_embeddings"], "torch_dtype": dtype_name(dtype)}
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     write_tokenizer(folder)
     return folder
@@ -133,13 +136,44 @@ def quantize(source: Path, folder: Path, bits: int, group_size: int = 64) -> Tup
     return model, head
 
 
+def dtype_name(dtype) -> str:
+    """mlx.core.float32 -> "float32"."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def stamp(text_config: dict, seed: int, dtype) -> dict:
+    """What a kept checkpoint was made from: written beside it last, so a whole folder has it."""
+    return {"seed": seed, "dtype": dtype_name(dtype), "text_config": text_config}
+
+
+def kept(folder: Path, text_config: dict, seed: int, dtype) -> bool:
+    """True when `folder` holds a whole checkpoint write_checkpoint made for this config, seed and dtype."""
+    try:
+        return json.loads((folder / "dyno-random.json").read_text()) == stamp(text_config, seed, dtype)
+    except (OSError, ValueError):
+        return False
+
+
 @contextmanager
-def built(text_config: dict, bits: int = 16, seed: int = 0, root: Optional[str] = None) -> Iterator[Tuple[Path, Optional[Path]]]:
-    """(model folder, head folder or None) of a random checkpoint at `bits` (16: bf16 with the head
-    inside), in a temporary folder removed on exit, so one model at a time takes the disk."""
+def built(text_config: dict, bits: int = 16, seed: int = 0, root: Optional[str] = None,
+          dtype=mx.bfloat16, keep: Optional[str] = None) -> Iterator[Tuple[Path, Optional[Path]]]:
+    """(model folder, head folder or None) of a random checkpoint at `bits` (16: unquantized, in `dtype`,
+    with the head inside; else quantized from it), in a temporary folder removed on exit, so one model
+    at a time takes the disk. `keep` (16 bits only): that folder instead, left in place, and used as it
+    is when an earlier run left the same checkpoint there (writing one takes minutes on a slow CPU)."""
+    if keep is not None:
+        if bits != 16:
+            raise ValueError("keep applies to unquantized checkpoints")
+        folder = Path(keep)
+        if not kept(folder, text_config, seed, dtype):
+            shutil.rmtree(folder, ignore_errors=True)
+            write_checkpoint(folder, text_config, seed, dtype=dtype)
+            (folder / "dyno-random.json").write_text(json.dumps(stamp(text_config, seed, dtype)))  # last: it is whole
+        yield folder, None
+        return
     tmp = Path(tempfile.mkdtemp(prefix="dyno-shape-", dir=root))
     try:
-        source = write_checkpoint(tmp / "bf16", text_config, seed)
+        source = write_checkpoint(tmp / dtype_name(dtype), text_config, seed, dtype=dtype)
         if bits == 16:
             yield source, None
         else:

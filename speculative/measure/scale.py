@@ -4,10 +4,18 @@ At one context length: a plain greedy reference run (which the replayed drafts f
 model (T1, Tv(k), Td over the whole vocabulary and over a draft vocabulary), then pairs of plain
 mlx-lm and Dyno at each depth, alternating, with the bound and the engine efficiency. Every Dyno
 run must reproduce the reference tokens (asserted). Tools print; this returns a record.
+
+A random model cannot rank a draft vocabulary (it spreads its mass evenly), so the subset is made
+here (draft_subset): the reference run's tokens, which a ranking by the model's own outputs would
+put first, then the first ids or a seeded draw. With `draft_vocab` N the replayed drafts run the
+head over those N rows, as `--draft-vocab N` does; the profile then assumes the subset covers what
+the trunk writes, as the real ranking did on the bundled model (docs/performance.md).
 """
 
 import random
 from typing import Dict, List, Optional, Sequence
+
+import numpy as np
 
 from ..config import SamplingParams, SpecConfig
 from ..draft_vocab.head import AUTO_MIN_SHARE, AUTO_STEP, DraftLMHead, lm_head_module, ranked_ids
@@ -29,24 +37,45 @@ def random_prompt(length: int, seed: int = 0, vocab: int = 256) -> List[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
+def draft_subset(tokenizer, vocab: int, size: int, first: Sequence[int] = (), ids: str = "first",
+                 seed: int = 0) -> List[int]:
+    """`size` sorted draft ids for a model with no ranking: the special tokens, `first` (the reference's
+    tokens), then the lowest ids (`ids` "first") or a seeded draw ("seeded")."""
+    rest = range(vocab) if ids == "first" else np.random.default_rng(seed).permutation(vocab).tolist()
+    return ranked_ids(tokenizer, vocab, size, order=[*dict.fromkeys(first), *rest])
+
+
+def subset_label(ids: str, seed: int = 0) -> str:
+    """How draft_subset chose its ids, for the record."""
+    rest = "the lowest ids" if ids == "first" else f"a seeded draw (seed {seed})"
+    return f"special tokens, the reference run's tokens, then {rest}"
+
+
 def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], profile: Sequence[float],
                     max_tokens: int, pairs: int, reps: int, seed: int = 0, paired: bool = True,
-                    padded_to: Optional[int] = None, notify=None) -> Dict[str, object]:
+                    padded_to: Optional[int] = None, notify=None, draft_vocab: Optional[int] = None,
+                    draft_ids: str = "first") -> Dict[str, object]:
     """The record for one context: reference, cost model, and (when `paired`) the paired runs.
 
     `padded_to` (cost model only, not paired): the attention caches grown to that many rows after
-    `prompt` (cost_model.pad_attention), a long context without its prefill.
+    `prompt` (cost_model.pad_attention), a long context without its prefill. `draft_vocab` N: the
+    runs draft over N rows (draft_subset, `draft_ids` its way of filling up), and the cost model's
+    subset is that one; None: over the whole vocabulary, the subset timed being auto's floor.
     """
     say = notify or (lambda _m: None)
     params = SamplingParams(max_tokens=max_tokens)
     record = {"context": padded_to or len(prompt), "padded": bool(padded_to), "depths": {}}
+    reference = None
     if paired:  # the tokens the replayed drafts follow; its prefill is mlx-lm's
         reference = run_mlx_lm(lm, prompt, SamplingParams(max_tokens=max_tokens + max(depths)))
         record["reference_prefill_s"] = reference.ttft_s
         say(f"reference: {len(reference.tokens)} tokens, prefill {reference.ttft_s:.2f}s")
     vocab = lm.target.args.vocab_size
-    n = draft_vocab_floor(vocab)
-    subset = DraftLMHead(lm_head_module(lm.target), ranked_ids(lm.tokenizer, vocab, n), vocab)
+    n = draft_vocab or draft_vocab_floor(vocab)
+    first = reference.tokens if reference is not None and draft_vocab else ()
+    subset = DraftLMHead(lm_head_module(lm.target), draft_subset(lm.tokenizer, vocab, n, first, draft_ids, seed), vocab)
+    record["draft_vocab"] = ({"tokens": n, "ids": subset_label(draft_ids, seed)} if draft_vocab else
+                             {"tokens": None, "ids": "the whole vocabulary"})
     costs = cost_model(lm, prompt, depths, reps=reps, burst=1, other_projections={n: subset}, context=padded_to)
     costs["Td_draft_vocab"], costs["draft_vocab_tokens"] = costs.pop("Td_other")[n], n
     record["cost_model"] = costs
@@ -55,7 +84,8 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
         for k in depths:
             record["depths"][k] = _bounds(costs, k, 1 + sum(profile[:k]))
         return record
-    runner = replayed_runner(reference.tokens, profile, seed)
+    head = subset if draft_vocab else None  # the drafts' projection: the subset's rows, or the lm_head
+    runner = replayed_runner(reference.tokens, profile, seed, head)
     for k in depths:  # warm-up: allocation and the first pass at each width
         run_dyno(lm, prompt, SamplingParams(max_tokens=4), SpecConfig("mtp", k, None), runner=runner)
     plain, runs = [], {k: [] for k in depths}
@@ -64,7 +94,7 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
         for k in depths:
             # Each run its own seed: the pairs sample different rounds, as different prompts would.
             run = run_dyno(lm, prompt, params, SpecConfig("mtp", k, None),
-                           runner=replayed_runner(reference.tokens, profile, seed + i))
+                           runner=replayed_runner(reference.tokens, profile, seed + i, head))
             if run.tokens != reference.tokens[:max_tokens]:
                 raise AssertionError(f"depth {k}: replayed drafting changed the greedy output")
             runs[k].append(run)
@@ -82,11 +112,12 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
         entry.update(ratio=summarize(ratios), ratios=ratios, decode_tps=summarize([r.decode_tps for r in runs[k]]),
                      prefill_s=summarize([r.ttft_s for r in runs[k]]), identical=True,
                      acceptance_by_position=total.acceptance_by_position(), rounds=total.rounds)
-        entry["efficiency"] = entry["ratio"]["median"] / entry["bound"]
+        # Against the bound of the projection the runs drafted with.
+        entry["efficiency"] = entry["ratio"]["median"] / entry["bound_draft_vocab" if draft_vocab else "bound"]
         # Where the time goes: a round as decoded (tokens per round / decode rate) against the model
         # calls the bound counts, Tv(k) + k*Td, timed apart from the runs.
         entry["round_s"] = total.tokens_per_round / entry["decode_tps"]["median"]
-        entry["model_calls_s"] = costs["Tv"][k] + k * costs["Td"]
+        entry["model_calls_s"] = costs["Tv"][k] + k * costs["Td_draft_vocab" if draft_vocab else "Td"]
         record["depths"][k] = entry
     return record
 

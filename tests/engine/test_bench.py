@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import sys
 import time
 
 import pytest
@@ -60,7 +61,11 @@ def test_bench_json_record(tiny_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     record = json.loads(out.read_text())
     assert set(record) >= {"machine", "model", "commit", "settings", "results", "cost_model"}
-    assert set(record["machine"]) >= {"platform", "mlx", "mlx_lm", "backend"}
+    assert set(record["machine"]) >= {"platform", "mlx", "mlx_lm", "backend", "blas"}
+    blas = record["machine"]["blas"]  # which BLAS the CPU's float32 products went through, and its file
+    assert f"BLAS: {blas['name']} ({blas['path']})" in r.stdout.splitlines()
+    if blas["reference"] and sys.platform.startswith("linux"):  # what that means for the figures, in one line
+        assert sum(line.startswith("note: float32 products run compute-bound here") for line in r.stdout.splitlines()) == 1
     auto = record["settings"]["auto_depth"]
     assert 1 <= auto <= 4  # what --draft-depth auto resolves to, benchmarked as its own setting
     assert set(record["cost_model"]["Tv"]) == {"1", "2", str(auto)} and record["cost_model"]["T1"] > 0

@@ -31,3 +31,37 @@ def test_profiles_are_checked():
     for bad in ("0.5,0.9", "1.2", "x"):
         with pytest.raises(DynoError):
             parse_profile(bad)
+
+
+@pytest.mark.parametrize("ids", ["first", "seeded"])
+def test_replay_over_a_draft_vocabulary_drafts_from_it(tiny_lm, ids):
+    """The head projects onto the subset's rows only and every draft is one of its ids; output stays greedy's."""
+    from speculative.draft_vocab.head import DraftLMHead, lm_head_module
+    from speculative.measure.scale import draft_subset
+
+    lm = tiny_lm("tied-gqa2")
+    n, depth = 60, 3
+    reference = run_mlx_lm(lm, PROMPT, SamplingParams(max_tokens=n + depth)).tokens
+    vocab = lm.target.args.vocab_size
+    subset = draft_subset(lm.tokenizer, vocab, 96, first=reference, ids=ids, seed=3)
+    assert len(subset) == 96 and set(reference) <= set(subset)
+    head = DraftLMHead(lm_head_module(lm.target), subset, vocab)
+    drafted, made = [], []
+
+    def runner(*args):
+        speculator = replayed_runner(reference, (0.9, 0.7, 0.5), seed=1, draft_head=head)(*args)
+        own = speculator.draft
+
+        def draft(k):
+            drafts, probs = own(k)
+            drafted.extend(drafts.tolist())
+            return drafts, probs
+        speculator.draft = draft
+        made.append(speculator)
+        return speculator
+
+    run = run_dyno(lm, PROMPT, SamplingParams(max_tokens=n), SpecConfig("mtp", depth, None), runner=runner)
+    assert run.tokens == reference[:n]
+    assert made[0].draft_lm_head is head  # the draft step's projection is the subset's rows
+    assert drafted and set(drafted) <= set(subset)
+    assert run.stats.acceptance_by_position()[0] > 0.5  # the subset holds the reference: right drafts are drafted

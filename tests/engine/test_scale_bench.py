@@ -39,3 +39,58 @@ def test_padding_grows_every_attention_cache(tiny_lm):
     pad_attention(trunk + head, 700)
     kv = [c for c in trunk + head if isinstance(c, KVCache)]
     assert len(kv) == 2 and all(c.offset == 700 for c in kv)
+
+
+def test_the_tool_builds_float32_and_names_its_blas(tmp_path, monkeypatch, capsys):
+    """`--dtype float32` loads a float32 model (what the BLAS multiplies), and the record and the table
+    header say which BLAS ran it; `--draft-vocab` drafts over a labelled subset of that many rows."""
+    import importlib.util
+    import json
+    import os
+    import signal
+
+    from helpers.run import ROOT
+
+    spec = importlib.util.spec_from_file_location("scale_bench", ROOT / "tools" / "scale_bench.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)  # in this process: a subprocess would spend seconds importing
+    out = tmp_path / "record.json"
+    monkeypatch.setattr("sys.argv", ["scale_bench.py", "--shape", "qwen3.5-0.8b", "--scaled-down", "--dtype", "float32",
+                                     "--draft-vocab", "300", "--depths", "1,2", "--context", "16", "--max-tokens", "6",
+                                     "--pairs", "1", "--reps", "1", "--root", str(tmp_path), "--json", str(out)])
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert tool.main() == 0
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    r = capsys.readouterr()
+    record = json.loads(out.read_text())
+    assert record["dtype"] == "float32" and record["loaded_dtype"] == {"lm_head": "float32", "mtp_head": "float32"}
+    blas = record["blas"]
+    assert blas["name"] and os.path.isfile(blas["path"])
+    header = r.out.splitlines()[:2]
+    assert "float32" in header[0] and "drafts over 300 tokens" in header[0]
+    assert header[1] == f"BLAS: {blas['name']} ({blas['path']})"
+    (context,) = record["contexts"]
+    assert context["draft_vocab"] == {"tokens": 300, "ids": "special tokens, the reference run's tokens, then the lowest ids"}
+    assert context["cost_model"]["draft_vocab_tokens"] == 300
+    d = context["depths"]["2"]
+    assert d["efficiency"] == pytest.approx(d["ratio"]["median"] / d["bound_draft_vocab"])
+    assert [p.name for p in tmp_path.iterdir()] == ["record.json"]  # the checkpoint is gone
+
+
+def test_a_kept_checkpoint_is_reused(tmp_path):
+    import json
+
+    import mlx.core as mx
+
+    from speculative.measure.random_checkpoint import built
+
+    config = lambda: scaled_down(shapes.load("qwen3.5-0.8b")["text_config"])  # noqa: E731  (fresh: as a new run reads it)
+    with built(config(), dtype=mx.float32, keep=str(tmp_path / "kept")) as (model, _):
+        first = {p.name: p.stat().st_mtime_ns for p in model.iterdir()}
+    with built(config(), dtype=mx.float32, keep=str(tmp_path / "kept")) as (model, _):
+        assert {p.name: p.stat().st_mtime_ns for p in model.iterdir()} == first  # not written again
+    with built(config(), dtype=mx.bfloat16, keep=str(tmp_path / "kept")) as (model, _):
+        assert json.loads((model / "config.json").read_text())["torch_dtype"] == "bfloat16"  # another: written anew
+    assert (tmp_path / "kept" / "dyno-random.json").exists()  # left in place
