@@ -12,7 +12,7 @@ def main(argv=None) -> int:
     from dyno_ui.cli.common import access_options, add_access_args, add_model_args, add_thinking_arg, model_options
     from dyno_ui.options import ServeOptions
     from dyno_ui.server.run import run
-    from speculative.backend import device_from_env
+    from dyno_ui.device import device_from_env
     from speculative.errors import DynoError
 
     parser = argparse.ArgumentParser(prog="app.py", description="The Dyno playground (Gradio) and OpenAI API.")

@@ -66,10 +66,10 @@ class ServeOptions:
     api_key: Optional[str] = None  # required on /v1/* and at the playground's login
     allowed_origins: Tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
     served_model_names: Tuple[str, ...] = ()  # ids requests may use besides the model's folder name
-    prompt_cache_bytes: Union[int, str, None] = None  # reusable prompt states' memory (None: see speculative/memory.py)
+    prompt_cache_bytes: Union[int, str, None] = None  # reusable prompt states' memory (None: see speculative/backend/memory.py)
     prompt_cache_dir: Optional[Path] = None  # keep evicted (and, on shutdown, live) prompt states here
     prompt_cache_disk_bytes: Union[int, str, None] = None  # that folder's budget (None: see speculative/prompt_cache/disk.py)
-    max_batch_memory: Union[int, str, None] = None  # batched rows' estimated KV + state (None: see speculative/memory.py)
+    max_batch_memory: Union[int, str, None] = None  # batched rows' estimated KV + state (None: see speculative/backend/memory.py)
     max_queue: int = 64  # requests waiting beyond those being decoded; more are refused (503, Retry-After)
     default_thinking: bool = False  # Anthropic requests without `thinking`: the template's default, not none
 

@@ -29,7 +29,7 @@ from .engine import PREFILL_STEP, Speculator
 from .errors import DynoError
 from .events import Provenance, Round, Token
 from .loader import LoadedModel
-from .memory import MLX_MEMORY, Memory
+from .backend.memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Resume, ShiftedKVCache
 from .sampling import log_softmax, warp
 from .verify import CONFIDENT, confident_rows, greedy_accept, lossless_accept

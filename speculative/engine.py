@@ -21,7 +21,7 @@ from .errors import DynoError
 from .events import Done, Provenance, Round, RoundDetails, Token, TokenLogprobs
 from .heads.health import gives_up, watch
 from .loader import LoadedModel
-from .memory import MLX_MEMORY, Memory
+from .backend.memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
 from .processors import PrefixProcessors, processors_for, with_prefix
 from .sampling import draft_params, draw, log_softmax, plain_sampler, warp

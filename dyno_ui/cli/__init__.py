@@ -28,7 +28,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 2
     try:
-        from speculative.backend import device_from_env  # here: it pulls in mlx-lm, which --help does not need
+        from dyno_ui.device import device_from_env  # here: it imports MLX, which --help does not need
 
         device_from_env()
         return args.func(args)

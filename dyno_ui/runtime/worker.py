@@ -14,7 +14,7 @@ Every mode reuses earlier prompts' states through one prompt cache
 process; prefill is cut (and checkpointed) where chat messages start. Requests wait for the engine
 in a queue of at most `max_queue`; past that, submit refuses them (503, Retry-After).
 
-Memory as mlx-lm handles it (speculative/memory.py), on this thread: the model wired while a
+Memory as mlx-lm handles it (speculative/backend/memory.py), on this thread: the model wired while a
 request decodes (serial) or while the batch serves (batched, as BatchGenerator holds it), MLX's
 buffer cache cleared at mlx-lm's cadence and once a replaced model is let go, and the default
 budgets shares of what the model leaves of the device's memory.
@@ -38,7 +38,7 @@ from speculative import distributed
 from speculative.engine import generate, scored
 from speculative.events import Done, Provenance, Round, Token, TokenLogprobs
 from speculative.loader import LoadedModel
-from speculative.memory import MLX_MEMORY, Memory, budget_notice, default_batch_memory, device_memory, model_bytes
+from speculative.backend.memory import MLX_MEMORY, Memory, budget_notice, default_batch_memory, device_memory, model_bytes
 from speculative.measure.batch_cost import DepthPolicy
 from speculative.prompt_cache.store import Checkpoint, PrefixCache, entry_from, owned, recurrent_state
 from speculative.prompt_cache.disk import prompt_store

@@ -18,7 +18,7 @@ from ..heads import norm_decision
 from ..heads import precision
 from ..heads.precision import HeadMemory
 from .source import ModelSource, resolve
-from ..memory import model_bytes, recommended_size, size_warning
+from ..backend.memory import model_bytes, recommended_size, size_warning
 from ..target import Target
 
 DENSE_TYPES = ("qwen3_5", "qwen3_5_text")

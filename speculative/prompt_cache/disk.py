@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from ..errors import DynoError, one_line
-from ..memory import model_bytes
+from ..backend.memory import model_bytes
 from .store import (
     Checkpoint, PrefixCache, PrefixEntry, ShiftedKVCache, default_budget, is_attention, usable,
 )

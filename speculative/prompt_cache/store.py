@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from ..memory import default_prompt_cache_bytes, device_memory
+from ..backend.memory import default_prompt_cache_bytes, device_memory
 
 
 RECENT = 4  # the latest checkpoints kept whatever their spacing (regenerate, edit, a dropped <think>)

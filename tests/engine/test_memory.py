@@ -1,4 +1,4 @@
-"""Memory as mlx-lm handles it (speculative/memory.py): the model wired while a generation decodes and
+"""Memory as mlx-lm handles it (speculative/backend/memory.py): the model wired while a generation decodes and
 released after, MLX's buffer cache cleared after each prefill chunk and at mlx-lm's cadence in the
 serial and batched drafting loops, mlx-lm's warning near the maximum recommended size, and default
 budgets that leave the model its own bytes. Output is unchanged (test_greedy_equality, test_batched)."""
@@ -10,7 +10,7 @@ from speculative.batched import BatchSpeculator
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.events import Token
-from speculative.memory import (
+from speculative.backend.memory import (
     MLX_MEMORY, Cadence, Memory, budget_notice, default_batch_memory, default_prompt_cache_bytes, device_memory,
     model_bytes, size_warning,
 )

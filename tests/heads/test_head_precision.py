@@ -176,7 +176,7 @@ DOWNLOAD = """
 import json, os, sys
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from speculative.backend import device_from_env
+from dyno_ui.device import device_from_env
 from speculative.loader import load_checkpoint
 device_from_env()
 out = sys.argv[2]

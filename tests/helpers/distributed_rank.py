@@ -24,7 +24,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.utils import sharded_load  # noqa: E402
 
 from speculative import distributed  # noqa: E402
-from speculative.backend import device_from_env  # noqa: E402
+from dyno_ui.device import device_from_env  # noqa: E402
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
 from speculative.errors import DynoError  # noqa: E402
 from speculative.events import Round, Token  # noqa: E402

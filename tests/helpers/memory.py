@@ -1,8 +1,8 @@
-"""A Memory whose MLX calls are recorded (speculative/memory.py's seam), as on a device with a wired limit."""
+"""A Memory whose MLX calls are recorded (speculative/backend/memory.py's seam), as on a device with a wired limit."""
 
 import threading
 
-from speculative.memory import Memory
+from speculative.backend.memory import Memory
 
 OLD_LIMIT = 0  # the wired limit before Dyno takes the recommended one
 

@@ -1,4 +1,4 @@
-"""Memory on the engine thread, in every mode (speculative/memory.py through EngineWorker's seam): the
+"""Memory on the engine thread, in every mode (speculative/backend/memory.py through EngineWorker's seam): the
 model wired while requests decode and released after, serial and batched, drafting and plain; a
 replaced model's buffers cleared once nothing refers to it (the playground's Models tab); and the
 one-line notice when a given budget and the model exceed the device's memory."""
@@ -17,7 +17,7 @@ from helpers.memory import WatchedMemory
 from speculative.config import SamplingParams, SpecConfig
 from speculative.events import Token
 from speculative.loader import load_checkpoint
-from speculative.memory import budget_notice, device_memory, model_bytes
+from speculative.backend.memory import budget_notice, device_memory, model_bytes
 
 MODES = {  # decode concurrency, speculation: the four engine loops
     "serial-drafting": (1, SpecConfig("mtp", 2)),
