@@ -99,7 +99,8 @@ class Hub:
     def file(self, repo: str, filename: str, revision: Optional[str] = None) -> Optional[Path]:
         """A small file (card, index), from the cache or downloaded; None if the repo lacks it."""
         from huggingface_hub import hf_hub_download
-        from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+        from huggingface_hub.errors import (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                            RevisionNotFoundError)
 
         if offline():
             found = self.cached(repo, filename)
@@ -108,6 +109,10 @@ class Hub:
             return found
         try:
             return Path(hf_hub_download(repo, filename, revision=revision))
+        except LocalEntryNotFoundError:  # the Hub could not be reached (a subclass of "no such file")
+            if repo not in self.unreachable:
+                self.unreachable.append(repo)
+            return None
         except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
             return None
         except Exception as e:
@@ -446,9 +451,11 @@ def _get_range(session, url: str, headers: dict, start: int, end: int, bar=None)
 
 
 def _offline_error(label: str, repos: List[str]) -> DynoError:
+    why = ("HF_HUB_OFFLINE=1 prevents downloading it" if offline()
+           else "the Hugging Face Hub could not be reached to download it")
     return DynoError(
         f"no MTP head for {label}: looked for {', '.join(repos)} in {cached_heads_dir()} and in "
-        f"the Hugging Face cache; HF_HUB_OFFLINE=1 prevents downloading it. Pass --mtp-head <folder>."
+        f"the Hugging Face cache; {why}. Pass --mtp-head <folder>."
     )
 
 
