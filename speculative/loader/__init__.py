@@ -172,7 +172,7 @@ def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: 
     """Find the head (see heads.find.resolve_head), check it fits, build it; a head that cannot be
     used is a notice in "auto" and one DynoError line in "mtp", never a traceback."""
     try:
-        _find_and_build_head(lm, mode, mtp_head, mtp_base, note, bits)
+        _find_and_build_head(lm, mtp_head, mtp_base, note, bits)
         return
     except DynoError as e:
         error = e
@@ -184,9 +184,10 @@ def _attach_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: 
     note(f"dyno: decoding without drafts: {error.message}")
 
 
-def _find_and_build_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mtp_base: Optional[str],
+def _find_and_build_head(lm: LoadedModel, mtp_head: Optional[str], mtp_base: Optional[str],
                          note, bits=None) -> None:
-    """Resolve the head, check it fits the trunk and set lm.head; raises DynoError when it cannot.
+    """Resolve the head, check it fits the trunk and set lm.head; raises DynoError when it cannot
+    (resolve_head's, which says what was tried, when there is no head at all).
 
     The model's own head comes first; one that cannot be built gives a notice, and the head is
     looked for as for a model without one (Dyno cache, Hugging Face cache, the original's head).
@@ -205,19 +206,10 @@ def _find_and_build_head(lm: LoadedModel, mode: str, mtp_head: Optional[str], mt
     except DynoError:
         if own_error is None:
             raise
-        weights = None
+        raise own_error from None  # nothing to fall back on: the own head's fault is the one to report
     if own_error is not None:
-        if weights is None:  # nothing to fall back on: the own head's fault is the one to report
-            raise own_error
         note(f"dyno: the MTP head in {lm.path} cannot be used: {own_error.message}; "
              f"drafting with the head from {weights.source}")
-    if weights is None:
-        if mode == "mtp":
-            raise DynoError(
-                f"no MTP head for {lm.repo_id or lm.path}: the checkpoint has no mtp.* tensors and no base "
-                f"model with a head was found; pass --mtp-head <folder>"
-            )
-        return
     _build(lm, weights, note, bits)
 
 
