@@ -32,7 +32,7 @@ from .loader import LoadedModel
 from .backend.memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Resume, ShiftedKVCache
 from .sampling import log_softmax, warp
-from .verify import CONFIDENT, confident_rows, greedy_accept, lossless_accept
+from .verify import confident_rows, greedy_accept, lossless_accept
 
 # Left padding every row of a cache shares is dropped once it reaches this many slots.
 COMPACT_AT = 256
@@ -98,15 +98,12 @@ def trim_rows(cache: BatchKVCache, fed: int, kept: List[int]) -> None:
 
 def commit_rows(tape: GDNTape, consumed: List[int]) -> None:
     """GDNTape.commit per row: row i's conv window and state after its first consumed[i] tokens."""
-    window = tape.cache[0].shape[1]  # K-1: the pass left its last rows there, and its final state
-    steps = tape.conv_input.shape[1] - window
-    if all(n == steps for n in consumed):  # every row kept every token: the cache is already right
-        return
-    if len(set(consumed)) == 1:
+    if len(set(consumed)) == 1:  # (every row kept every token included: then nothing to do)
         tape.commit(consumed[0])
         return
     rows = mx.arange(len(consumed))
     c = mx.array(consumed)
+    window = tape.cache[0].shape[1]  # K-1: the pass left its last rows there
     # After consuming c tokens the window is rows [c, c + K-1) of conv_input.
     tape.cache[0] = tape.conv_input[rows[:, None], c[:, None] + mx.arange(window)[None]]
     if tape.states is not None:
@@ -383,7 +380,7 @@ class BatchSpeculator:
         if self._all_greedy():  # every row at once
             target = log_softmax(logits)
             n_acc, nxt = greedy_accept(drafts, target)
-            confident = confident_rows(target, k, CONFIDENT, logprobs=True) if check else None
+            confident = confident_rows(target, k, logprobs=True) if check else None
             return n_acc, nxt.astype(drafts.dtype), logits, confident
         n_acc, nxt, processed, confident = [], [], [], []
         for b, row in enumerate(self.rows):
@@ -395,7 +392,7 @@ class BatchSpeculator:
                 target = mx.exp(warp(rows, row.params))
                 n, t = lossless_accept(drafts[b], draft_probs[b], target, row._split())
             if check:
-                confident.append(confident_rows(target, k, CONFIDENT, logprobs=row.params.greedy))
+                confident.append(confident_rows(target, k, logprobs=row.params.greedy))
             n_acc.append(n)
             nxt.append(t.astype(drafts.dtype))
             processed.append(rows)

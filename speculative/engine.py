@@ -25,7 +25,7 @@ from .backend.memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
 from .processors import PrefixProcessors, processors_for, with_prefix
 from .sampling import draft_params, draw, log_softmax, plain_sampler, warp
-from .verify import CONFIDENT, confident_rows, greedy_accept, lossless_accept
+from .verify import confident_rows, greedy_accept, lossless_accept
 
 Event = Union[Token, Round, Done]
 PREFILL_STEP = 2048  # mlx-lm's generate_step default; the same chunking keeps caches identical
@@ -401,7 +401,7 @@ class Speculator:
             mx.async_eval(*checks)
         confident = None
         if self.health is not None and self.health.checking:
-            confident = confident_rows(target, k, CONFIDENT, logprobs=self.params.greedy)
+            confident = confident_rows(target, k, logprobs=self.params.greedy)
             mx.async_eval(confident)
         # The head's rows for every position the round may keep, queued before the sync: row i
         # pairs trunk hidden i with the token after it, drafts[i] below n_acc and nxt at n_acc.

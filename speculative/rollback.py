@@ -38,7 +38,10 @@ class GDNTape:
 
     def commit(self, consumed: int) -> None:
         """Make the cache hold the state after the first `consumed` verify tokens."""
-        window = self.conv_input.shape[1] - len(self._steps())
+        steps = len(self._steps())
+        if consumed == steps:  # every token kept: the pass already left this window and state (target._advance)
+            return
+        window = self.conv_input.shape[1] - steps
         # After consuming c tokens the window is rows [c, c + K-1) of conv_input.
         self.cache[0] = self.conv_input[:, consumed : consumed + window, :]
         if consumed == 0:  # none kept (a consumer that stopped before the pass's first token)

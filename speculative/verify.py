@@ -31,7 +31,7 @@ def greedy_accept(draft_tokens: mx.array, target_logprobs: mx.array) -> Tuple[mx
 CONFIDENT = 0.5  # the target's probability of its own top token that makes a position count (heads/health.py)
 
 
-def confident_rows(target: mx.array, k: int, threshold: float, logprobs: bool) -> mx.array:
+def confident_rows(target: mx.array, k: int, logprobs: bool, threshold: float = CONFIDENT) -> mx.array:
     """[..., k] bool: the target's top token has probability >= `threshold` at rows 0..k-1 (the drafts'
     positions); `target` holds log-probabilities when `logprobs`, else probabilities."""
     top = mx.max(target[..., :k, :], axis=-1)
