@@ -1,12 +1,21 @@
 """Where models are: the bundled default, user-given folders and the Hugging Face cache."""
 
 import os
+import sysconfig
 from pathlib import Path
 from typing import Iterable, List, Union
 
 from speculative.errors import DynoError
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def assets_folder(checkout: Path = Path(__file__).resolve().parent.parent / "assets",
+                  installed: Path = Path(sysconfig.get_path("data")) / "share" / "dyno-mlx" / "assets") -> Path:
+    """assets/ of a checkout (an editable install), else where a wheel put it (pyproject's data-files)."""
+    return checkout if checkout.is_dir() or not installed.is_dir() else installed
+
+
+ASSETS = assets_folder()
 BUNDLED_MODEL = ASSETS / "dyno-tiny"
 
 
