@@ -33,6 +33,12 @@ def filtered(logprobs: mx.array, params: SamplingParams) -> mx.array:
     return logprobs
 
 
+def scores(logits: mx.array, params: SamplingParams) -> mx.array:
+    """What mlx-lm's sampler hands mx.random.categorical for processed logits: the tempered, filtered
+    log-softmax, in the logits' dtype (generate_step's log-softmax, then make_sampler's)."""
+    return tempered(filtered(log_softmax(logits), params), params)
+
+
 def tempered(logprobs: mx.array, params: SamplingParams) -> mx.array:
     """What categorical_sampling hands mx.random.categorical: logprobs * (1/temp) in their dtype."""
     # The factor is a Python float, so MLX rounds it to the array's dtype and the product stays
@@ -43,11 +49,10 @@ def tempered(logprobs: mx.array, params: SamplingParams) -> mx.array:
 def warp(logits: mx.array, params: SamplingParams) -> mx.array:
     """Float32 log-probabilities of plain decoding's sampling distribution; -inf off-support."""
     # In the dtype the processors left, as plain decoding (mlx-lm's logit bias makes rows float32).
-    scores = tempered(filtered(log_softmax(logits), params), params)
     # mx.random.categorical(scores) adds float32 Gumbel noise (bf16 widens exactly) and takes the
     # argmax: plain decoding realises softmax(float32(scores)). Casting any earlier would round,
     # tie and cut differently; float32 from here on is what the p/q ratios and residual need.
-    return log_softmax(scores.astype(mx.float32))
+    return log_softmax(scores(logits, params).astype(mx.float32))
 
 
 def draft_params(params: SamplingParams, vocab: int) -> SamplingParams:
@@ -64,6 +69,31 @@ def draft_params(params: SamplingParams, vocab: int) -> SamplingParams:
 def draw(logprobs: mx.array, key: mx.array) -> mx.array:
     """One token per row from normalised log-probabilities."""
     return mx.random.categorical(logprobs, axis=-1, key=key)
+
+
+class KeyChain:
+    """A seed's random keys by token position, as plain mlx-lm draws them: after mx.random.seed(s) every
+    sampling call splits the global key and draws with the second half, so token i of a generation is
+    drawn with the i-th such half, whatever was drafted or rolled back around it."""
+
+    def __init__(self, seed: int):
+        self._state, self._keys = mx.random.key(seed), []
+
+    def __getitem__(self, position: int) -> mx.array:
+        while len(self._keys) <= position:
+            self._state, sub = mx.random.split(self._state)
+            self._keys.append(sub)
+        return self._keys[position]
+
+
+def seeded_pick(logits: mx.array, params: SamplingParams, key: mx.array) -> mx.array:
+    """Plain mlx-lm's token for one [1, V] processed logits row drawn with `key`: categorical over `scores`.
+
+    Gumbel-max, so the draft drawn with a position's key on the head's logits and the target's token
+    drawn with it on the trunk's agree or not as the two rows do (issue: seeded requests)."""
+    # One call per row, in mlx-lm's [1, V] shape: categorical's noise depends on the shape it is drawn
+    # for (a [V] row or a [k, V] block draws other tokens with the same key).
+    return mx.random.categorical(scores(logits, params), key=key)
 
 
 def effective_top_k(params: SamplingParams, vocab: int) -> int:

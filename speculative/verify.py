@@ -22,7 +22,15 @@ def greedy_accept(draft_tokens: mx.array, target_logprobs: mx.array) -> Tuple[mx
     next_token is the argmax at the first mismatch (correction) or at row k (bonus). Rows of a
     batch ([B, k] drafts, [B, k+1, V] log-probabilities) are accepted each on its own.
     """
-    target_tokens = mx.argmax(target_logprobs, axis=-1)  # [..., k + 1]
+    return agreeing_accept(draft_tokens, mx.argmax(target_logprobs, axis=-1))
+
+
+def agreeing_accept(draft_tokens: mx.array, target_tokens: mx.array) -> Tuple[mx.array, mx.array]:
+    """Keep drafts while they equal the trunk's own tokens at their positions ([..., k + 1]: its argmax,
+    or its draw with the position's key for a seeded request); return (n_accepted, next_token).
+
+    Exact for any drafts: every token emitted is the trunk's, each following the ones kept before it.
+    """
     k = draft_tokens.shape[-1]
     n = _accepted_prefix(draft_tokens == target_tokens[..., :k])
     return n, mx.take_along_axis(target_tokens, n[..., None], axis=-1)[..., 0]
