@@ -32,7 +32,7 @@ from .loader import LoadedModel
 from .backend.memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Resume, ShiftedKVCache
 from .sampling import log_softmax, warp
-from .verify import confident_rows, greedy_accept, lossless_accept
+from .verify import agreeing_accept, confident_rows, greedy_accept, lossless_accept
 
 # Left padding every row of a cache shares is dropped once it reaches this many slots.
 COMPACT_AT = 256
@@ -251,9 +251,10 @@ class BatchSpeculator:
         """True when every row is greedy without logits processors: its pick is the argmax alone."""
         return all(r.params.greedy and not r.processors for r in self.rows)
 
-    def _plain_pass(self) -> PlainPass:
+    def _plain_pass(self, ahead: int = 0) -> PlainPass:
         """Queue depth 0's pass: the trunk over each row's pending token (mlx-lm's own forward), each
-        row's token picked by its own rule and key. Nothing is evaluated."""
+        row's token picked by its own rule and key; `ahead`: tokens of each row not yet emitted before
+        it (a seeded row draws with its position's key). Nothing is evaluated."""
         caches, keys = snapshot(self.trunk_cache), [r.key for r in self.rows]
         hidden = self.target.hidden(self.pending[:, None], self.trunk_cache)  # [B, 1, H]
         logits = self.target.lm_head(hidden)
@@ -263,7 +264,7 @@ class BatchSpeculator:
             nxt, processed = [], []
             for b, row in enumerate(self.rows):
                 rows = row._process(logits[b])
-                nxt.append(row._pick_target(rows)[0].astype(self.pending.dtype))  # argmax, or a draw with the row's key
+                nxt.append(row._pick_target(rows, ahead)[0].astype(self.pending.dtype))  # argmax, or a draw with the row's key
                 processed.append(rows)
             nxt = mx.stack(nxt)
         return PlainPass(nxt, hidden, processed, caches, keys)
@@ -295,7 +296,7 @@ class BatchSpeculator:
         emitted, or a row ends by its length within the `coming` tokens not yet emitted (its next
         token would be wasted)."""
         if all(not r.processors and len(r.generated) + coming < r.params.max_tokens for r in self.rows):
-            self.ahead = self._plain_pass()
+            self.ahead = self._plain_pass(coming)
             mx.async_eval(self.ahead.nxt)
 
     def _queue_next(self, then: int) -> None:
@@ -388,6 +389,9 @@ class BatchSpeculator:
             if row.params.greedy:
                 target = log_softmax(rows)
                 n, t = greedy_accept(drafts[b], target)
+            elif row.keys is not None:  # seeded: plain mlx-lm's own draws, the drafts kept while they agree
+                target = mx.exp(warp(rows, row.params))
+                n, t = agreeing_accept(drafts[b], row._seeded_tokens(rows))
             else:
                 target = mx.exp(warp(rows, row.params))
                 n, t = lossless_accept(drafts[b], draft_probs[b], target, row._split())
@@ -415,7 +419,7 @@ class BatchSpeculator:
                 lb = logits[b : b + 1]
                 if histories[b] is not None:  # draft j follows the committed tokens and drafts 0..j-1
                     lb = row.processors.row(lb, histories[b], mx.concatenate([s[b : b + 1] for s in steps]) if steps else None)
-                d, q = row._pick(lb)
+                d, q = row._pick(lb, j)
                 picks.append(d)
                 probs[b].append(q)
             d = mx.concatenate(picks) if len(picks) > 1 else picks[0]

@@ -24,8 +24,8 @@ from .loader import LoadedModel
 from .backend.memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
 from .processors import PrefixProcessors, processors_for, with_prefix
-from .sampling import draft_params, draw, log_softmax, plain_sampler, warp
-from .verify import confident_rows, greedy_accept, lossless_accept
+from .sampling import KeyChain, draft_params, draw, log_softmax, plain_sampler, seeded_pick, warp
+from .verify import agreeing_accept, confident_rows, greedy_accept, lossless_accept
 
 Event = Union[Token, Round, Done]
 PREFILL_STEP = 2048  # mlx-lm's generate_step default; the same chunking keeps caches identical
@@ -78,10 +78,11 @@ def generate(
             while (event := next(steps, None)) is not None:  # (steps may change: see plain_after)
                 if isinstance(event, Round):
                     watch(lm, event, spec.mode)
-                    if gives_up(lm, spec.mode) and isinstance(runner, Speculator) and not params.has_processors:
+                    if (gives_up(lm, spec.mode) and isinstance(runner, Speculator) and not params.has_processors
+                            and runner.keys is None):
                         # The head collapsed: the rest plainly, from the tokens delivered (this round's are
                         # dropped, and plain decoding makes them again). With processors the request drafts
-                        # on: they would read the delivered tokens as prompt.
+                        # on: they would read the delivered tokens as prompt; seeded, it would restart the keys.
                         steps.close()
                         runner, steps = plain_after(runner, lm, params, prefill_step, n)
                         continue
@@ -252,6 +253,10 @@ class Speculator:
         self.outcome = lm.ranks.outcome if lm.ranks is not None else local_outcome
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         self.key = mx.random.key(seed)
+        # A seeded sampled request draws as plain mlx-lm does: token i with the seed's i-th key, drafts
+        # with their positions' keys, kept while they equal the trunk's draws (sampling.seeded_pick).
+        # Unseeded requests keep the lossless min(1, p/q) rule, which accepts more.
+        self.keys = KeyChain(params.seed) if params.seed is not None and not params.greedy else None
         self.prompt: List[int] = []
         self.generated: List[int] = []  # tokens emitted so far (the last one is still uncached)
         self.head_hidden: Optional[mx.array] = None  # head output of the last committed row: drafts start here
@@ -278,10 +283,14 @@ class Speculator:
         """Head rows for [T] tokens with their [1, T, H] hiddens; returns post-norm [1, T, H]."""
         return self.head(self.target.embed(tokens[None]), hidden, self.head_cache)
 
-    def _pick(self, logits: mx.array):
-        """(token, draft distribution) for a [1, V] logits row; greedy drafts need no distribution."""
+    def _pick(self, logits: mx.array, ahead: int = 0):
+        """(token, draft distribution) for a [1, V] logits row drafting the token `ahead` places past the
+        ones generated; greedy drafts need no distribution."""
         if self.params.greedy:
             return mx.argmax(logits, axis=-1), None
+        if self.keys is not None:  # p's own warp and the position's key: the draft the trunk would draw
+            key = self.keys[len(self.generated) + ahead]
+            return seeded_pick(logits, self.params, key), mx.exp(warp(logits, self.params))
         logprobs = warp(logits, self.draft_params)
         return draw(logprobs, self._split()), mx.exp(logprobs)
 
@@ -336,11 +345,19 @@ class Speculator:
         return scored(log_softmax(logits) if self.params.logprobs is not None else None, tokens,
                       self.params.logprobs)
 
-    def _pick_target(self, logits: mx.array) -> mx.array:
-        """The trunk's token for a [1, V] logits row: argmax when greedy, else a draw from the warp."""
+    def _pick_target(self, logits: mx.array, ahead: int = 0) -> mx.array:
+        """The trunk's token for a [1, V] logits row, `ahead` places past the ones generated: argmax
+        when greedy, else a draw from the warp (seeded: with that position's key)."""
         if self.params.greedy:
             return mx.argmax(log_softmax(logits), axis=-1)
+        if self.keys is not None:
+            return seeded_pick(logits, self.params, self.keys[len(self.generated) + ahead])
         return draw(warp(logits, self.params), self._split())
+
+    def _seeded_tokens(self, rows: mx.array) -> mx.array:
+        """The trunk's own draws for processed verify rows [k + 1, V]: row i is the token i past the
+        ones generated, drawn with that position's key (one call per row: sampling.seeded_pick)."""
+        return mx.concatenate([self._pick_target(rows[i : i + 1], i) for i in range(rows.shape[0])])
 
     def draft(self, k: int):
         """k head drafts by recursion: ([k] tokens, [k, V] draft probs or None when greedy)."""
@@ -354,7 +371,7 @@ class Speculator:
                 logits = self.draft_lm_head(g[:, -1])
                 if history is not None:  # draft j follows the committed tokens and drafts 0..j-1
                     logits = self.processors.row(logits, history, mx.concatenate(drafts) if drafts else None)
-                d, q = self._pick(logits)
+                d, q = self._pick(logits, j)  # draft j proposes the token j past the pending one
             drafts.append(d)
             draft_probs.append(q)
             if j + 1 < k:  # recurse: the draft token with the head's own output, position + 1
@@ -392,6 +409,9 @@ class Speculator:
         if self.params.greedy:
             target = log_softmax(logits)
             n_acc, nxt = greedy_accept(drafts, target)
+        elif self.keys is not None:
+            target = mx.exp(warp(logits, self.params))  # read only by details and the health check
+            n_acc, nxt = agreeing_accept(drafts, self._seeded_tokens(logits))
         else:
             target = mx.exp(warp(logits, self.params))
             n_acc, nxt = lossless_accept(drafts, draft_probs, target, self._split())

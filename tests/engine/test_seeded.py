@@ -40,3 +40,96 @@ def test_a_seeded_plain_generation_is_mlx_lms_own(tiny_lm):
     want = [int(t) for t, _ in generate_step(mx.array(prompt), lm.model, max_tokens=40, sampler=sampler)]
     want = want[: next((i + 1 for i, t in enumerate(want) if t in lm.eos_token_ids), len(want))]
     assert got == want
+
+
+# ---- drafting: the coupled round gives plain mlx-lm's seeded tokens at every depth ----
+
+from dyno_ui.paths import BUNDLED_MODEL  # noqa: E402
+from speculative.constraints import JsonSchema, constraint_for  # noqa: E402
+from speculative.events import Round  # noqa: E402
+from speculative.loader import load_checkpoint  # noqa: E402
+from speculative.processors import processors_for  # noqa: E402
+
+PROMPT = "def parse(line):\n    "
+SAMPLED = [dict(temperature=0.3, top_k=40), dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, min_p=0.05)]
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_checkpoint(BUNDLED_MODEL)
+
+
+def mlx_lm_seeded(lm, prompt, params):
+    """mlx_lm's own seeded generation: mx.random.seed, make_sampler, the request's processors."""
+    mx.random.seed(params.seed)
+    sampler = make_sampler(params.temperature, params.top_p, params.min_p,
+                           top_k=effective_top_k(params, lm.vocab_size))
+    out = []
+    for t, _ in generate_step(mx.array(prompt), lm.model, max_tokens=params.max_tokens, sampler=sampler,
+                              logits_processors=processors_for(params)):
+        out.append(int(t))
+        if out[-1] in lm.eos_token_ids:
+            break
+    return out
+
+
+def drafted(lm, prompt, params, depth):
+    events = list(generate(lm, prompt, params, SpecConfig(mode="mtp", draft_depth=depth)))
+    rounds = [e for e in events if isinstance(e, Round)]
+    return [e.id for e in events if isinstance(e, Token)], rounds
+
+
+@pytest.mark.parametrize("warp", SAMPLED, ids=str)
+def test_seeded_drafting_gives_mlx_lms_seeded_text_at_every_depth(bundled, warp):
+    prompt = bundled.tokenizer.encode(PROMPT)
+    params = SamplingParams(**warp, seed=1234, max_tokens=48)
+    want = mlx_lm_seeded(bundled, prompt, params)
+    for depth in (1, 2, 3, 4):
+        got, rounds = drafted(bundled, prompt, params, depth)
+        assert got == want, depth
+        assert any(r.accepted for r in rounds) and any(r.accepted < r.drafted for r in rounds)
+
+
+@pytest.mark.parametrize("extra", [dict(repetition_penalty=1.3), dict(logit_bias={11: 4.0, 198: -3.0}),
+                                   "json"], ids=["repetition", "bias", "json"])
+def test_seeded_drafting_with_processors_is_mlx_lms(bundled, extra):
+    if extra == "json":
+        extra = dict(constraint=constraint_for(JsonSchema({"type": "object", "properties": {
+            "name": {"type": "string"}, "age": {"type": "integer"}}}), bundled))
+    prompt = bundled.tokenizer.encode('{"name": ')
+    params = SamplingParams(temperature=0.7, top_p=0.95, seed=99, max_tokens=32, **extra)
+    assert drafted(bundled, prompt, params, 3)[0] == mlx_lm_seeded(bundled, prompt, params)
+
+
+@pytest.mark.parametrize("name", ["untied-mha", "moe-fused"])
+def test_seeded_drafting_on_other_checkpoints_is_mlx_lms(tiny_lm, name):
+    lm = tiny_lm(name)
+    prompt = lm.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=32)
+    assert drafted(lm, prompt, params, 2)[0] == mlx_lm_seeded(lm, prompt, params)
+
+
+def test_a_seeded_row_gives_mlx_lms_text_beside_any_others_at_any_depths(bundled):
+    """Alone and beside 1, 3 and 7 other rows (greedy, unseeded and seeded with other seeds), with the
+    round's depth changing as the batch policy changes it (plain rounds included): the seeded row's
+    tokens are plain mlx-lm's with its seed."""
+    from speculative.batched import BatchSpeculator
+
+    lm = bundled
+    prompt = lm.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=2024, max_tokens=24)
+    want = mlx_lm_seeded(lm, prompt, params)
+    others = [SamplingParams(max_tokens=30), SamplingParams(temperature=1.0, max_tokens=50),
+              SamplingParams(temperature=0.5, seed=3, max_tokens=20)]
+    texts = ["class Node:\n", "import os\n", "for i in range(10):\n", "# sum\n"]
+    for width, depths in ((1, [3]), (2, [1, 2, 0, 3]), (4, [2, 0, 0, 4, 1]), (8, [3, 1, 0, 2])):
+        batch = BatchSpeculator(lm)
+        events = {"seeded": list(batch.join("seeded", prompt, params).events)}
+        for i in range(width - 1):
+            batch.join(i, lm.tokenizer.encode(texts[i % 4]), others[i % 3])
+        r = 0
+        while "seeded" in batch:
+            depth, then = depths[r % len(depths)], depths[(r + 1) % len(depths)]
+            events["seeded"] += batch.step(depth, then).get("seeded", ((), None))[0]
+            r += 1
+        assert [e.id for e in events["seeded"] if isinstance(e, Token)] == want, width
