@@ -526,3 +526,57 @@ def test_errors_say_whether_to_retry_and_the_root_answers(server):
     head, get = httpx.head(server.url + "/", timeout=30), server.get("/")
     assert (head.status_code, head.content) == (200, b"")
     assert get.status_code == 200 and get.json() == {"name": "Dyno", "model": MODEL_ID, "api": "/v1"}
+
+
+@pytest.fixture(scope="module")
+def folding_server(tmp_path_factory):
+    """dyno-tiny with its template changed to refuse a system message after the first, as Qwen3.5's
+    own templates do ("System message must be at the beginning.")."""
+    from transformers import AutoTokenizer
+
+    from helpers.tiny_models import with_chat_template
+
+    own = AutoTokenizer.from_pretrained(BUNDLED_MODEL).chat_template
+    clause = '{%- if message.role == "user" or (message.role == "system" and not loop.first) %}'
+    assert clause in own
+    refusing = own.replace(clause, '{%- if message.role == "system" and not loop.first %}'
+                                   "{{- raise_exception('System message must be at the beginning.') }}"
+                                   '{%- elif message.role == "user" %}')
+    folder = with_chat_template(BUNDLED_MODEL, tmp_path_factory.mktemp("refusing") / "dyno-tiny", refusing)
+    with running_server(folder, SpecConfig("mtp", 3)) as running:
+        yield running
+
+
+def test_a_template_without_system_turns_gets_them_folded_into_user_turns(folding_server):
+    """Folded as text where the prompt stays a prefix of the next turn's: after a user turn, into it;
+    after an assistant turn, into the next user turn, or a user turn of its own. Exact, and the next
+    turn reuses the cached prefix; the OpenAI chat API folds the same way."""
+    server, lm = folding_server, folding_server.served.lm
+    client = server.anthropic()
+    with pytest.raises(Exception, match="must be at the beginning"):
+        template(lm, ASK + [{"role": "system", "content": REMINDER}])
+    turn1 = ASK + [{"role": "system", "content": REMINDER}]
+    folded1 = [{"role": "user", "content": ASK[0]["content"] + "\n\n" + REMINDER}]
+    prompt1 = template(lm, folded1)
+    first = client.messages.create(model=MODEL_ID, max_tokens=9, messages=turn1, thinking=NO_THINKING,
+                                   extra_body=GREEDY)
+    assert first.content[0].text == detokenize(lm, plain_greedy(lm, prompt1, 9))
+    answer = first.content[0].text
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "A queue."}]
+    folded2 = folded1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Be brief.\n\nA queue."}]
+    prompt2 = template(lm, folded2)
+    assert prompt2[: len(prompt1) + 9] == prompt1 + plain_greedy(lm, prompt1, 9)
+    second = client.messages.create(model=MODEL_ID, max_tokens=5, messages=turn2, thinking=NO_THINKING,
+                                    extra_body=GREEDY)
+    assert second.content[0].text == split_think(detokenize(lm, plain_greedy(lm, prompt2, 5)))[0]
+    assert second.usage.cache_read_input_tokens == len(prompt1) + 9 - 1
+    ending = turn2[:4]  # a system message after the assistant's, nothing after it: a user turn of its own
+    assert client.messages.count_tokens(model=MODEL_ID, messages=ending, thinking=NO_THINKING).input_tokens == len(
+        template(lm, folded1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Be brief."}]))
+    chat = server.client.chat.completions.create(
+        model=MODEL_ID, max_tokens=5, temperature=0, messages=[{"role": "system", "content": SYSTEM}] + turn2,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    reference = template(lm, [{"role": "system", "content": SYSTEM}] + folded2)
+    assert chat.choices[0].message.content == split_think(detokenize(lm, plain_greedy(lm, reference, 5)))[0]
+    assert chat.usage.prompt_tokens == len(reference)
