@@ -14,8 +14,8 @@ from speculative.loader import LoadedModel
 from speculative.thinking_budget import ThinkingBudget, budget_for
 
 from .errors import bad_request
-from .request import ChatRequest, Message, ToolCall
 from .outputs import Finished, TextDelta, ToolCallDelta
+from .request import ChatRequest, Message, ToolCall
 from .served import ServedModel, chat_job, chat_prompt, checked_sampling
 from .system_turns import place_system_turns
 from .tools import answer_constraint, check_tools, template_tools, tool_call_stream
@@ -56,7 +56,7 @@ def job_for(served: ServedModel, request: ChatRequest, sink) -> Tuple[str, Job]:
     budget = thinking_budget(served, request, prompt)
     params = checked_sampling(lm, prompt.tokens, "messages", request.sampling, served.default_max_tokens,
                               constraint, budget)
-    watch = ThinkingOnly(served.worker.metrics, sink)
+    watch = ThinkingOnly(getattr(served.worker, "metrics", None), sink)  # (no worker: a job built to be looked at)
     job = chat_job(lm, prompt.tokens, params, list(request.stop), watch.sink, tool_calls=tool_call_stream(lm, request))
     watch.job = job
     return prompt.model, job

@@ -8,7 +8,7 @@ it ("System message must be at the beginning."); the bundled dyno-tiny's renders
 
 Folding keeps every earlier turn as it was rendered before, so the prefix cache still hits on the
 next turn: a system message that follows a user turn is appended to it (the turn it belongs to, as
-Anthropic's API reads it); one after an assistant turn or a tool result goes at the start of the next
+Anthropic's API reads it), one right after the leading system message to that; one after an assistant turn or a tool result goes at the start of the next
 user turn, or, when none follows yet, is a user turn of its own.
 """
 
@@ -57,7 +57,7 @@ def place_system_turns(tokenizer, messages: List[dict]) -> List[dict]:
                 message = {**message, "content": "\n\n".join(pending + [message["content"]])}
                 pending = []
             out.append(message)
-        elif out and out[-1]["role"] == "user" and not pending:
+        elif out and out[-1]["role"] in ("system", "user") and not pending:  # the leading system, a user turn
             out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + message["content"]}
         else:
             pending.append(message["content"])
