@@ -1,7 +1,7 @@
 """A ChatRequest (runtime/request.py) becomes a job here, the same way for every API: pick the model,
 check the tools, apply the chat template, compile the grammar the answer follows, set the thinking
 budget, check the prompt against the context, and make the job that splits reasoning and parses tool
-calls.
+calls. System messages after the first are placed as the template allows (runtime/system_turns.py).
 
 Errors are ApiErrors naming the field at fault (OpenAI's field names, as ApiError's other names).
 """
@@ -14,8 +14,10 @@ from speculative.loader import LoadedModel
 from speculative.thinking_budget import ThinkingBudget, budget_for
 
 from .errors import bad_request
+from .outputs import Finished, TextDelta, ToolCallDelta
 from .request import ChatRequest, Message, ToolCall
 from .served import ServedModel, chat_job, chat_prompt, checked_sampling
+from .system_turns import place_system_turns
 from .tools import answer_constraint, check_tools, template_tools, tool_call_stream
 from .worker import Job
 
@@ -37,7 +39,7 @@ def prompt_for(served: ServedModel, request: ChatRequest) -> Prompt:
     kwargs = dict(request.template_kwargs)
     if request.thinking is not None:
         kwargs["enable_thinking"] = request.thinking
-    messages = [template_message(m) for m in request.messages]
+    messages = place_system_turns(lm.tokenizer, [template_message(m) for m in request.messages])
     return Prompt(model_id, lm, chat_prompt(lm, messages, kwargs, template_tools(request), request.prefill))
 
 
@@ -54,8 +56,30 @@ def job_for(served: ServedModel, request: ChatRequest, sink) -> Tuple[str, Job]:
     budget = thinking_budget(served, request, prompt)
     params = checked_sampling(lm, prompt.tokens, "messages", request.sampling, served.default_max_tokens,
                               constraint, budget)
-    job = chat_job(lm, prompt.tokens, params, list(request.stop), sink, tool_calls=tool_call_stream(lm, request))
+    watch = ThinkingOnly(getattr(served.worker, "metrics", None), sink)  # (no worker: a job built to be looked at)
+    job = chat_job(lm, prompt.tokens, params, list(request.stop), watch.sink, tool_calls=tool_call_stream(lm, request))
+    watch.job = job
     return prompt.model, job
+
+
+class ThinkingOnly:
+    """Passes a job's outputs on, and counts the answer in /stats when it ends inside its think block
+    with no visible text (max_tokens spent thinking): the client got reasoning and nothing else."""
+
+    def __init__(self, metrics, sink):
+        self.metrics, self.downstream = metrics, sink
+        self.job: Optional[Job] = None
+        self.visible = False
+
+    def sink(self, item) -> None:
+        """Called on the engine thread, as the job's own sink."""
+        if isinstance(item, ToolCallDelta) or (isinstance(item, TextDelta) and item.channel == "content"
+                                               and item.text.strip()):
+            self.visible = True
+        elif (isinstance(item, Finished) and item.finish_reason != "cancelled" and not self.visible
+              and self.job is not None and self.job.text.where == "reasoning" and self.metrics is not None):
+            self.metrics.record_thinking_only()
+        self.downstream(item)
 
 
 def thinking_budget(served: ServedModel, request: ChatRequest, prompt: Prompt) -> Optional[ThinkingBudget]:

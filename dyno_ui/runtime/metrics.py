@@ -62,6 +62,9 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter("mlx:generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("mlx:requests", "Requests by finish reason", ["finish_reason"], registry=r)
+        self.thinking_only = Counter("mlx:requests_ended_in_thinking",
+                                     "Chat answers that ended inside their think block with no visible text",
+                                     registry=r)
         self.latency = Histogram("mlx:e2e_request_latency_seconds", "Arrival to last token",
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("mlx:time_to_first_token_seconds", "Arrival to first token",
@@ -88,6 +91,7 @@ class ServerMetrics:
         self._totals = GenerationStats(draft_depth=draft_depth)
         self._requests = {"stop": 0, "length": 0, "cancelled": 0, "failed": 0}
         self._prompt = self._cached = self._generated = 0
+        self._thinking_only = 0
 
     def set_draft_depth(self, draft_depth: Optional[int]) -> None:
         """The depth requests are drafted at now (None: no drafting), e.g. after a model swap."""
@@ -162,6 +166,13 @@ class ServerMetrics:
         with self._lock:
             self._requests["failed"] += 1
 
+    def record_thinking_only(self) -> None:
+        """Count a chat answer that ended inside its think block with no visible text (called on the
+        engine thread, after the request itself was counted)."""
+        self.thinking_only.inc()
+        with self._lock:
+            self._thinking_only += 1
+
     def exposition(self) -> bytes:
         """The Prometheus text format."""
         return generate_latest(self.registry)
@@ -176,7 +187,8 @@ class ServerMetrics:
             return {
                 "speculative": {**spec, "mode": "mtp" if self.draft_depth else None,
                                 "draft_depth": self.draft_depth, **padded},
-                "requests": {"total": sum(self._requests.values()), **self._requests},
+                "requests": {"total": sum(self._requests.values()), **self._requests,
+                             "ended_in_thinking": self._thinking_only},
                 "tokens": {"prompt": self._prompt, "prompt_cached": self._cached,
                            "generated": self._generated},
                 "batch": {"width": self._width, "max_width": self._max_width,

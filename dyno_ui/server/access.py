@@ -10,7 +10,7 @@ from starlette.datastructures import Headers
 
 from ..runtime.errors import ApiError
 from ..runtime.keys import key_matches
-from .errors import Chooser, under
+from .errors import Chooser, retry_headers, under
 
 # Every API route. The playground (/ui) has its own login with the same key. /health, /stats and
 # /metrics stay open with a key, as in vLLM: they neither generate nor change state and hold no
@@ -40,7 +40,7 @@ class RequireKey:
                 err = ApiError(401, "Invalid or missing API key: send it as 'Authorization: Bearer KEY' or "
                                     "'x-api-key: KEY'", code="invalid_api_key")
                 response = JSONResponse(self.envelope_for(scope["path"], headers)(err), status_code=401,
-                                        headers={"WWW-Authenticate": "Bearer"})
+                                        headers={"WWW-Authenticate": "Bearer", **retry_headers(401)})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

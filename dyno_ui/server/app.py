@@ -19,9 +19,10 @@ from .openai.schema import error_response
 
 
 def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES,
-               options: ServeOptions = ServeOptions()) -> FastAPI:
+               options: ServeOptions = ServeOptions(), root: bool = True) -> FastAPI:
     """The server's app for `served`, whose worker is already started; `options` says who may call it
-    (the key, browser origins); the names requests may use are `served.names`."""
+    (the key, browser origins); the names requests may use are `served.names`. `root`: `GET /` and
+    `HEAD /` answer a short JSON (clients probe it before their first request)."""
     app = FastAPI(title="Dyno", version="0.1.0")
     app.state.served = served
     anthropic_envelope = lambda err: anthropic_error(err).model_dump()  # noqa: E731
@@ -35,6 +36,11 @@ def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES,
         ok = served.worker.alive()
         return JSONResponse({"status": "ok" if ok else "engine stopped", "model": served.id},
                             status_code=200 if ok else 503)
+
+    if root:
+        @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+        def index():
+            return {"name": "Dyno", "model": served.id, "api": "/v1"}
 
     @app.get("/stats")
     def stats():

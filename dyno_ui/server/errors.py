@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 
 from speculative.errors import DynoError
 
-from ..runtime.errors import ApiError
+from ..runtime.errors import RETRY_AFTER_S, ApiError
 
 log = logging.getLogger("dyno.serve")
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -55,6 +55,20 @@ def validation_error(errors) -> ApiError:
 
 Chooser = Callable[[str, Mapping[str, str]], Envelope]
 
+# Anthropic's API marks the answers a client must not retry, and those it should retry after a
+# while; both APIs' SDKs read x-should-retry before their own status rules, and Retry-After.
+NO_RETRY = (400, 401, 403, 404, 405, 413, 422)
+RETRY_LATER = (429, 503, 529)
+
+
+def retry_headers(status: int, retry_after: Optional[int] = None) -> dict:
+    """x-should-retry (and Retry-After, in seconds) for an error with `status`; none for other statuses."""
+    if status in NO_RETRY:
+        return {"x-should-retry": "false"}
+    if status in RETRY_LATER:
+        return {"retry-after": str(RETRY_AFTER_S if retry_after is None else retry_after), "x-should-retry": "true"}
+    return {}
+
 
 def under(path: str, prefix: str) -> bool:
     """`path` is `prefix` or a path below it."""
@@ -87,8 +101,8 @@ def add_error_handlers(app: FastAPI, envelope: Envelope, by_path: Optional[Mappi
     choose = envelope_chooser(envelope, by_path, by_header)
 
     def respond(request: Request, err: ApiError) -> JSONResponse:
-        headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
-        return JSONResponse(choose(request.url.path, request.headers)(err), status_code=err.status, headers=headers)
+        return JSONResponse(choose(request.url.path, request.headers)(err), status_code=err.status,
+                            headers=retry_headers(err.status, err.retry_after))
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):

@@ -50,14 +50,16 @@ def make_app(served, ui: bool = True, ui_front: bool = False, options: ServeOpti
     """The server's app, with the playground at /ui (and / redirecting to it when `ui_front`)."""
     from .app import create_app
 
-    app = create_app(served, options=options)
-    if ui and served.worker.concurrency == 1:  # the playground drafts and swaps models: serial mode
+    playground = ui and served.worker.concurrency == 1
+    app = create_app(served, options=options, root=not (playground and ui_front))  # else / opens the playground
+    if playground:  # the playground drafts and swaps models: serial mode
         from fastapi.responses import RedirectResponse
 
         from ..playground.ui import UI_PATH, mount
 
         if ui_front:
-            app.add_api_route("/", lambda: RedirectResponse(UI_PATH + "/"), include_in_schema=False)
+            app.add_api_route("/", lambda: RedirectResponse(UI_PATH + "/"), methods=["GET", "HEAD"],
+                              include_in_schema=False)
         mount(app, served, api_key=options.api_key)
     return app
 

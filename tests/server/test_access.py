@@ -33,18 +33,20 @@ def server(tiny_dir):
 @pytest.mark.parametrize("method, path, body", [
     ("GET", "/v1/models", None), ("POST", "/v1/chat/completions", CHAT),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}), ("POST", "/v1/nowhere", {}),
+    ("POST", "/v1/responses", {"model": MODEL_ID, "input": "hi"}),
 ])
 def test_openai_routes_need_the_key(server, method, path, body):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}, {"Authorization": KEY}):
         r = httpx.request(method, server.url + path, json=body, headers=headers, timeout=30)
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.headers["x-should-retry"] == "false"  # agent clients retry a 401 unless told not to
         assert r.json()["error"]["code"] == "invalid_api_key" and set(r.json()) == {"error"}
 
 
-@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens", "/v1/messages?beta=true"])
 def test_anthropic_routes_need_the_key(server, path):
     r = server.post(path, json=MESSAGES, headers={"x-api-key": "wrong"})
-    assert r.status_code == 401
+    assert r.status_code == 401 and r.headers["x-should-retry"] == "false"
     assert r.json() == {"type": "error", "error": {"type": "authentication_error", "message": r.json()["error"][
         "message"]}}
 
@@ -127,6 +129,7 @@ def test_anthropic_clients_get_their_401_on_the_shared_models_route(server):
     with pytest.raises(anthropic.AuthenticationError) as e:
         server.anthropic("wrong").models.list()
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+    assert e.value.response.headers["x-should-retry"] == "false"
 
 
 def test_playground_model_loading_needs_the_key(server):

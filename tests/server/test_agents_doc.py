@@ -51,7 +51,7 @@ def commands(block: str):
 
 def test_the_page_has_only_examples_this_file_runs():
     fences = [kind for kind, _ in re.findall(r"```(\w*)\n(.*?)```", section(), flags=re.S)]
-    assert fences == ["bash", "bash", "python", "python", "python", "bash", "toml", "python"]
+    assert fences == ["bash", "bash", "python", "python", "python", "bash", "bash", "toml", "python"]
     assert "](docs/agents.md)" in README.read_text()  # the README's dyno serve section links here
 
 
@@ -132,6 +132,51 @@ def test_curl_examples(readme_server):
     assert answers[1] == {"input_tokens": answers[0]["usage"]["input_tokens"]
                           + answers[0]["usage"]["cache_read_input_tokens"]}
     assert "max_tokens" not in prompt
+
+
+def test_claude_code_recipe(readme_server, monkeypatch):
+    """The recipe's variables and --model, and the requests Claude Code then sends, shaped as it
+    sends them: HEAD / first, then streamed /v1/messages?beta=true with its headers, system blocks and
+    a system message with cache_control, tools, adaptive thinking with an effort, context_management
+    and metadata; count_tokens; parallel tool_use blocks answered by tool_result blocks; a wrong key."""
+    exports, claude = commands(blocks("bash")[3])
+    for word in shlex.split(exports.replace(ADDRESS, readme_server.url))[1:]:
+        monkeypatch.setenv(*word.split("=", 1))
+    words = shlex.split(claude)
+    assert words[0] == "claude" and "26k" in section() and "32k" in section()
+    base, model = os.environ["ANTHROPIC_BASE_URL"], words[words.index("--model") + 1]
+    headers = {"x-api-key": os.environ["ANTHROPIC_API_KEY"], "anthropic-version": "2023-06-01", "x-app": "cli",
+               "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27"}
+    assert httpx.head(base + "/", timeout=30).status_code == 200
+    cached = {"type": "ephemeral"}
+    bash = {"name": "Bash", "description": "Runs a shell command", "input_schema": {
+        "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
+    ask = [{"role": "user", "content": [{"type": "text", "text": "List the files.", "cache_control": cached}]},
+           {"role": "system", "content": [{"type": "text", "text": "Available agents: general-purpose."}]}]
+    body = {"model": model, "max_tokens": 16, "stream": True, "tools": [bash], "messages": ask,
+            "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": cached}],
+            "thinking": {"type": "adaptive"}, "output_config": {"effort": "low"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "metadata": {"user_id": "user_1_account_2_session_3"}}
+    r = httpx.post(base + "/v1/messages?beta=true", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    events = [line[len("event: "):] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"]
+    counted = httpx.post(base + "/v1/messages/count_tokens?beta=true", headers=headers, timeout=60,
+                         json={k: v for k, v in body.items() if k not in ("max_tokens", "stream")})
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+    calls = [{"type": "tool_use", "id": f"toolu_{i}", "name": "Bash", "input": {"command": c}}
+             for i, c in enumerate(("ls", "pwd"))]
+    results = [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": out, "cache_control": cached}
+               for i, out in enumerate(("app.py", "/work"))]
+    follow = dict(body, stream=False, messages=ask + [{"role": "assistant", "content": calls},
+                                                      {"role": "user", "content": results}])
+    r = httpx.post(base + "/v1/messages?beta=true", json=follow, headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["type"] == "message", r.text
+    wrong = httpx.post(base + "/v1/messages?beta=true", json=body, headers=dict(headers, **{"x-api-key": "no"}),
+                       timeout=60)
+    assert (wrong.status_code, wrong.headers["x-should-retry"]) == (401, "false")
+    assert wrong.json()["error"]["type"] == "authentication_error"
 
 
 def test_codex_config_reaches_the_responses_route(readme_server, monkeypatch):

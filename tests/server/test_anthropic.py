@@ -400,3 +400,183 @@ def test_models_list_and_retrieve_in_anthropics_shape(server, client):
     assert server.get("/v1/models?limit=abc").json()["object"] == "list"
     openai_error = server.post("/v1/chat/completions", content=b'{"model":', headers=headers).json()
     assert set(openai_error) == {"error"}
+
+
+# ---- what agent clients send (Claude Code's request shape) ------------------------------------
+
+REMINDER = "Available sub-agents: general-purpose."
+BETAS = {"anthropic-version": "2023-06-01", "x-app": "cli",
+         "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27"}
+
+
+def agent_body(messages, **kw):
+    """A /v1/messages body as Claude Code shapes it: system blocks and text blocks with cache_control,
+    a mid-conversation system message, adaptive thinking, context_management, output_config, metadata."""
+    return {"model": MODEL_ID, "max_tokens": 24, "messages": messages, "temperature": 0,
+            "system": [{"type": "text", "text": "You write ", "cache_control": {"type": "ephemeral"}},
+                       {"type": "text", "text": "Python."}],
+            "thinking": {"type": "adaptive"}, "output_config": {"effort": "medium"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "metadata": {"user_id": "user_1_account_2_session_3"}, **kw}
+
+
+def agent_turn(text=ASK[0]["content"]):
+    return [{"role": "user", "content": [{"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system", "content": [{"type": "text", "text": REMINDER, "cache_control": {"type": "ephemeral"}}]}]
+
+
+def test_a_system_message_inside_messages_is_a_system_turn_with_drafting_on(server, client):
+    """dyno-tiny's template renders a system turn after a user turn: the reply is plain decoding of
+    that prompt (adaptive: the template's default, which thinks); a reply that ends inside its think
+    block with no text is counted in /stats."""
+    lm = server.served.lm
+    assert "<|im_start|>system\n" + REMINDER in lm.tokenizer.apply_chat_template(
+        ASK + [{"role": "system", "content": REMINDER}, ASK[0]], tokenize=False)  # the template's own turn
+    prompt = default_template(lm, [{"role": "system", "content": SYSTEM}] + ASK + [{"role": "system",
+                                                                                    "content": REMINDER}])
+    reference = plain_greedy(lm, prompt, 24)
+    content, reasoning = split_think(detokenize(lm, reference), thinking=True)
+    assert reasoning and not content
+    before = server.stats()
+    r = server.post("/v1/messages?beta=true", json=agent_body(agent_turn()), headers=BETAS)
+    assert r.status_code == 200, r.text
+    assert [(b["type"], b["thinking"]) for b in r.json()["content"]] == [("thinking", reasoning)]
+    assert r.json()["stop_reason"] == expected_stop(lm, reference)
+    streamed = server.post("/v1/messages?beta=true", json=agent_body(agent_turn(), stream=True), headers=BETAS)
+    assert streamed.status_code == 200 and "event: message_stop" in streamed.text
+    after = server.stats()
+    assert after["requests"]["ended_in_thinking"] - before["requests"]["ended_in_thinking"] == 2
+    assert after["speculative"]["accepted_tokens"] > before["speculative"]["accepted_tokens"]
+    assert server.metrics()["mlx:requests_ended_in_thinking_total"] >= 2
+    counted = server.post("/v1/messages/count_tokens?beta=true", headers=BETAS,
+                          json={k: v for k, v in agent_body(agent_turn()).items() if k != "max_tokens"})
+    assert counted.json() == {"input_tokens": len(prompt)}
+    # The official client sends the same (system messages are in its MessageParam).
+    out = client.messages.create(model=MODEL_ID, max_tokens=24, system=SYSTEM, messages=agent_turn(),
+                                 thinking={"type": "adaptive"}, output_config={"effort": "medium"},
+                                 metadata={"user_id": "u"}, extra_headers={"anthropic-beta": BETAS["anthropic-beta"]},
+                                 extra_body={"context_management": {"edits": []}, **GREEDY})
+    assert [(b.type, b.thinking) for b in out.content] == [("thinking", reasoning)]
+
+
+def test_the_next_turn_after_a_system_message_reads_the_cached_prefix(server, client):
+    lm = server.served.lm
+    turn1 = ASK + [{"role": "system", "content": REMINDER}]
+    first = client.messages.create(model=MODEL_ID, max_tokens=9, messages=turn1, thinking=NO_THINKING,
+                                   extra_body=GREEDY)
+    prompt1 = template(lm, turn1)
+    assert first.content[0].text == detokenize(lm, plain_greedy(lm, prompt1, 9))
+    turn2 = turn1 + [{"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "A queue."}]
+    prompt2 = template(lm, turn2)
+    assert prompt2[: len(prompt1) + 9] == prompt1 + plain_greedy(lm, prompt1, 9)
+    second = client.messages.create(model=MODEL_ID, max_tokens=5, messages=turn2, thinking=NO_THINKING,
+                                    extra_body=GREEDY)
+    assert second.content[0].text == split_think(detokenize(lm, plain_greedy(lm, prompt2, 5)))[0]
+    assert second.usage.cache_read_input_tokens == len(prompt1) + 9 - 1
+
+
+def test_effort_and_adaptive_thinking_set_the_thinking_budget(server):
+    """output_config.effort low is a 512-token budget, medium 2048, high and above the server's;
+    budget_tokens wins over it; disabled thinking has none (convert.chat_request's mapping)."""
+    from dyno_ui.server.anthropic import convert
+    from dyno_ui.server.anthropic.schema import MessagesRequest
+
+    def budget(**kw):
+        req = MessagesRequest.model_validate({"model": MODEL_ID, "max_tokens": 5, "messages": ASK, **kw})
+        got = convert.chat_request(req)
+        return got.thinking, got.thinking_budget
+
+    adaptive = {"type": "adaptive"}
+    assert budget(thinking=adaptive, output_config={"effort": "low"}) == (None, 512)
+    assert budget(thinking=adaptive, output_config={"effort": "medium"}) == (None, 2048)
+    assert budget(thinking=adaptive, output_config={"effort": "max"}) == (None, None)
+    assert budget(thinking={"type": "enabled", "budget_tokens": 64}, output_config={"effort": "low"}) == (True, 64)
+    assert budget(thinking={"type": "enabled"}, output_config={"effort": "low"}) == (True, 512)
+    assert budget(thinking=NO_THINKING, output_config={"effort": "low"}) == (False, None)
+    assert budget(output_config={"effort": "low"}) == (False, None)  # no thinking field: none
+    turn = ASK + [{"role": "system", "content": "Be quick.", "output_config": {"effort": "low"}}]
+    assert budget(thinking=adaptive, messages=turn, output_config={"effort": "high"}) == (None, 512)
+    cleared = [ASK[0], {"role": "system", "content": REMINDER, "clear_at": "next_user_message"}, ASK[0]]
+    assert [m.role for m in convert.chat_request(MessagesRequest.model_validate(
+        {"model": MODEL_ID, "max_tokens": 5, "messages": cleared})).messages] == ["user", "user"]
+    assert error_of(server.post("/v1/messages", json={"model": MODEL_ID, "max_tokens": 5, "messages": ASK,
+                                                       "output_config": {"effort": "huge"}}))[:2] == (
+        400, "invalid_request_error")
+
+
+@pytest.mark.parametrize("message, says", [
+    ({"role": "tool", "content": "x"}, 'messages.1: Unexpected role "tool". Allowed roles are "user", "assistant" '
+                                       'or "system"'),
+    ({"role": "system", "content": [{"type": "tool_addition", "tool": {"type": "tool_reference", "name": "x"}}]},
+     "messages.1: role 'system' is not supported on this model with content blocks of type 'tool_addition' "
+     "(this server takes text blocks there)"),
+], ids=["unknown role", "system block"])
+def test_role_refusals_are_worded_as_anthropics(server, message, says):
+    r = server.post("/v1/messages", json={"model": MODEL_ID, "max_tokens": 5, "messages": ASK + [message]})
+    assert (r.status_code, r.headers["x-should-retry"]) == (400, "false")
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": says}}
+
+
+def test_errors_say_whether_to_retry_and_the_root_answers(server):
+    for r in (server.post("/v1/messages", content=b'{"model":'), server.get("/v1/messages"),
+              server.post("/v1/messages", json={"model": "nope", "max_tokens": 5, "messages": ASK}),
+              server.post("/v1/messages/batches", json={}), server.post("/v1/chat/completions", content=b"{")):
+        assert r.status_code in (400, 404, 405) and r.headers["x-should-retry"] == "false"
+        assert "retry-after" not in r.headers
+    head, get = httpx.head(server.url + "/", timeout=30), server.get("/")
+    assert (head.status_code, head.content) == (200, b"")
+    assert get.status_code == 200 and get.json() == {"name": "Dyno", "model": MODEL_ID, "api": "/v1"}
+
+
+@pytest.fixture(scope="module")
+def folding_server(tmp_path_factory):
+    """dyno-tiny with its template changed to refuse a system message after the first, as Qwen3.5's
+    own templates do ("System message must be at the beginning.")."""
+    from transformers import AutoTokenizer
+
+    from helpers.tiny_models import with_chat_template
+
+    own = AutoTokenizer.from_pretrained(BUNDLED_MODEL).chat_template
+    clause = '{%- if message.role == "user" or (message.role == "system" and not loop.first) %}'
+    assert clause in own
+    refusing = own.replace(clause, '{%- if message.role == "system" and not loop.first %}'
+                                   "{{- raise_exception('System message must be at the beginning.') }}"
+                                   '{%- elif message.role == "user" %}')
+    folder = with_chat_template(BUNDLED_MODEL, tmp_path_factory.mktemp("refusing") / "dyno-tiny", refusing)
+    with running_server(folder, SpecConfig("mtp", 3)) as running:
+        yield running
+
+
+def test_a_template_without_system_turns_gets_them_folded_into_user_turns(folding_server):
+    """Folded as text where the prompt stays a prefix of the next turn's: after a user turn, into it;
+    after an assistant turn, into the next user turn, or a user turn of its own. Exact, and the next
+    turn reuses the cached prefix; the OpenAI chat API folds the same way."""
+    server, lm = folding_server, folding_server.served.lm
+    client = server.anthropic()
+    with pytest.raises(Exception, match="must be at the beginning"):
+        template(lm, ASK + [{"role": "system", "content": REMINDER}])
+    turn1 = ASK + [{"role": "system", "content": REMINDER}]
+    folded1 = [{"role": "user", "content": ASK[0]["content"] + "\n\n" + REMINDER}]
+    prompt1 = template(lm, folded1)
+    first = client.messages.create(model=MODEL_ID, max_tokens=9, messages=turn1, thinking=NO_THINKING,
+                                   extra_body=GREEDY)
+    assert first.content[0].text == detokenize(lm, plain_greedy(lm, prompt1, 9))
+    answer = first.content[0].text
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "A queue."}]
+    folded2 = folded1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Be brief.\n\nA queue."}]
+    prompt2 = template(lm, folded2)
+    assert prompt2[: len(prompt1) + 9] == prompt1 + plain_greedy(lm, prompt1, 9)
+    second = client.messages.create(model=MODEL_ID, max_tokens=5, messages=turn2, thinking=NO_THINKING,
+                                    extra_body=GREEDY)
+    assert second.content[0].text == split_think(detokenize(lm, plain_greedy(lm, prompt2, 5)))[0]
+    assert second.usage.cache_read_input_tokens == len(prompt1) + 9 - 1
+    ending = turn2[:4]  # a system message after the assistant's, nothing after it: a user turn of its own
+    assert client.messages.count_tokens(model=MODEL_ID, messages=ending, thinking=NO_THINKING).input_tokens == len(
+        template(lm, folded1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Be brief."}]))
+    chat = server.client.chat.completions.create(
+        model=MODEL_ID, max_tokens=5, temperature=0, messages=[{"role": "system", "content": SYSTEM}] + turn2,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    reference = template(lm, [{"role": "system", "content": SYSTEM}] + folded2)
+    assert chat.choices[0].message.content == split_think(detokenize(lm, plain_greedy(lm, reference, 5)))[0]
+    assert chat.usage.prompt_tokens == len(reference)

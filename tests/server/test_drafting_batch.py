@@ -231,6 +231,7 @@ def test_a_full_queue_answers_503_with_retry_after(drafting):
         blocked.result(timeout=10)
         assert server.post("/v1/completions", json=body).status_code == 200
     assert openai_reply.status_code == 503 and openai_reply.headers["retry-after"] == "1"
+    assert openai_reply.headers["x-should-retry"] == anthropic_reply.headers["x-should-retry"] == "true"
     assert openai_reply.json()["error"]["code"] == "queue_full"
     assert openai_reply.json()["error"]["type"] == "server_error"
     assert anthropic_reply.status_code == 503 and anthropic_reply.headers["retry-after"] == "1"

@@ -1,11 +1,14 @@
 """From Anthropic requests to engine jobs, and from job outputs to Anthropic messages and stream events.
 
 A request becomes the runtime's ChatRequest (runtime/request.py), which runtime/chat.py turns into
-a job as it does OpenAI's: `system` first, assistant `tool_use` blocks as the template's tool calls,
+a job as it does OpenAI's: `system` first, system messages inside `messages` where they stand (placed
+as the template allows: runtime/system_turns.py), assistant `tool_use` blocks as the template's tool calls,
 `tool_result` blocks as tool messages, thinking blocks as the assistant's reasoning; tool_choice any
 or a named tool is a forced call and output_config.format a schema, each a grammar. What is
 Anthropic's alone is checked here: the prefill (a final assistant message) and what it cannot be
-combined with. The non-streaming message is a fold of the same events the stream sends.
+combined with, and thinking as asked: `thinking` is the template's switch, `budget_tokens` or
+`output_config.effort` the thinking budget. The non-streaming message is a fold of the same events
+the stream sends.
 """
 
 import json
@@ -14,6 +17,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 from ...runtime import chat
 from ...runtime.errors import ApiError
 from ...runtime.outputs import Failed, Finished, TextDelta, ToolCallDelta
+from ...runtime.request import EFFORT_BUDGETS as OPENAI_EFFORTS
 from ...runtime.request import ChatRequest, JsonSchema, Message, Sampling, Tool, ToolCall, ToolChoice
 from ...runtime.served import ServedModel
 from ...runtime.worker import Job
@@ -21,6 +25,11 @@ from ..streaming import JobStream, sse
 from . import schema as api
 
 # ---- requests ------------------------------------------------------------------------------
+
+# Thinking tokens for Anthropic's output_config.effort, as for OpenAI's reasoning efforts of the same
+# names; None: the server's budget (--reasoning-budget, unlimited by default).
+EFFORT_BUDGETS = {"low": OPENAI_EFFORTS["low"], "medium": OPENAI_EFFORTS["medium"], "high": OPENAI_EFFORTS["high"],
+                  "xhigh": None, "max": None}
 
 
 def chat_request(req: api.Conversation, default_thinking: bool = False) -> ChatRequest:
@@ -47,7 +56,10 @@ def chat_request(req: api.Conversation, default_thinking: bool = False) -> ChatR
         thinking = req.thinking.type == "enabled"
     if req.thinking is None and not default_thinking:  # not given: no thinking, as in Anthropic's API
         thinking = False
-    budget = req.thinking.budget_tokens if thinking else None  # else the server's, if it sets one
+    budget = None  # the server's, if it sets one
+    if thinking is not False:  # enabled or adaptive: budget_tokens, else the effort's
+        given = req.thinking.budget_tokens if req.thinking is not None else None
+        budget = given if given is not None else EFFORT_BUDGETS.get(effort(req))
     if prefill:  # the prefill is the text answer's start: the template closes its think block first
         thinking = False
     choice, parallel = tool_choice(req.tool_choice)
@@ -62,11 +74,28 @@ def chat_request(req: api.Conversation, default_thinking: bool = False) -> ChatR
         thinking=thinking, thinking_budget=budget, prefill=prefill, sampling=sampling, stop=stop)
 
 
+def effort(req: api.Conversation) -> Optional[str]:
+    """The effort of the turn being answered: a system message's own after the last user message,
+    else the request's output_config.effort."""
+    for message in reversed(req.messages):
+        if message.role == "user":
+            break
+        if message.role == "system" and message.output_config and message.output_config.effort:
+            return message.output_config.effort
+    return req.output_config.effort if req.output_config else None
+
+
 def conversation(req: api.Conversation, messages: List[api.Message]) -> List[Message]:
     """`system`, then `messages`: a run of text blocks is one user turn (blocks a paragraph apart),
-    a tool result a tool message."""
+    a tool result a tool message, a system message a system turn where it stands (one with
+    clear_at next_user_message only until a user message follows it)."""
     out = [Message("system", req.system_text())] if req.system is not None else []
-    for message in messages:
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
+    for i, message in enumerate(messages):
+        if message.role == "system":
+            if message.clear_at != "next_user_message" or i > last_user:
+                out.append(Message("system", message.text()))
+            continue
         if message.role == "assistant":
             out.append(_assistant(message.blocks()))
             continue

@@ -81,12 +81,38 @@ class RedactedThinkingBlock(_Request):
 
 Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
                   Field(discriminator="type")]
-BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+          "system": ("text",)}
+ROLES = ("user", "assistant", "system")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+def role_refusal(index: int, role: Any) -> ApiError:
+    """A role this API does not know, worded as Anthropic's API words it."""
+    return ApiError(400, f'messages.{index}: Unexpected role "{role}". Allowed roles are "user", "assistant" '
+                         f'or "system"', param=f"messages.{index}.role")
+
+
+def system_refusal(index: int, kind: Any) -> ApiError:
+    """A system message this server cannot place, worded as Anthropic's API refuses a system role
+    (Claude Code recognises "role 'system' is not supported" and sends the conversation again without it)."""
+    return ApiError(400, f"messages.{index}: role 'system' is not supported on this model with content blocks "
+                         f"of type {kind!r} (this server takes text blocks there)", param=f"messages.{index}.content")
+
+
+class TurnConfig(_Request):
+    """A system message's own output_config: the effort for the turn it belongs to."""
+
+    effort: Optional[Literal[EFFORTS]] = None
 
 
 class Message(_Request):
-    role: Literal["user", "assistant"]
+    role: Literal[ROLES]
     content: Union[str, List[Block]]
+    # A system message's own fields (Anthropic's): shown only until the next user message, or always;
+    # and the effort of its turn.
+    clear_at: Optional[Literal["next_user_message", "never"]] = None
+    output_config: Optional[TurnConfig] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -103,6 +129,10 @@ class Message(_Request):
 
     def blocks(self) -> List[BaseModel]:
         return [TextBlock(text=self.content)] if isinstance(self.content, str) else list(self.content)
+
+    def text(self) -> str:
+        """A system message's text: its blocks joined as the top-level `system`'s are."""
+        return "".join(b.text for b in self.blocks())
 
 
 class Tool(_Request):
@@ -151,7 +181,7 @@ class JsonFormat(_Request):
 
 class OutputConfig(_Request):
     format: Optional[JsonFormat] = None  # structured output: the answer is JSON valid against the schema
-    effort: Optional[str] = None  # accepted; a Qwen model has no effort setting
+    effort: Optional[Literal[EFFORTS]] = None  # the thinking budget (convert.EFFORT_BUDGETS)
 
 
 class Conversation(_Request):
@@ -171,6 +201,24 @@ class Conversation(_Request):
         for name in ("mcp_servers", "container"):
             if isinstance(data, dict) and data.get(name):
                 raise ValueError(f"{name} is not supported by this server")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_roles(cls, data):
+        """Roles and system messages refused in Anthropic's words (ApiError passes through pydantic)."""
+        messages = data.get("messages") if isinstance(data, dict) else None
+        for i, message in enumerate(messages if isinstance(messages, list) else ()):
+            if not isinstance(message, dict) or "role" not in message:
+                continue
+            if message["role"] not in ROLES:
+                raise role_refusal(i, message["role"])
+            content = message.get("content")
+            if message["role"] == "system" and isinstance(content, list):
+                for block in content:
+                    kind = block.get("type") if isinstance(block, dict) else None
+                    if kind != "text":
+                        raise system_refusal(i, kind)
         return data
 
     @property
