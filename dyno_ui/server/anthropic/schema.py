@@ -43,7 +43,7 @@ def error_response(err: ApiError) -> ErrorResponse:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields: kept aside, logged (server/fields.py), unused
 
 
 class TextBlock(_Request):

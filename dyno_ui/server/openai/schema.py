@@ -61,7 +61,7 @@ REFUSED_COMPLETION: Refusals = {
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields: kept aside, logged (server/fields.py), unused
     REFUSED: ClassVar[Refusals] = {}
 
     @model_validator(mode="before")
