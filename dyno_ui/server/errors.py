@@ -15,7 +15,6 @@ from speculative.errors import DynoError
 from ..runtime.errors import ApiError
 
 log = logging.getLogger("dyno.serve")
-MAX_BODY_BYTES = 32 * 1024 * 1024
 Body = TypeVar("Body", bound=BaseModel)
 Envelope = Callable[[ApiError], dict]
 
