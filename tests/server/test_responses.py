@@ -226,6 +226,9 @@ BAD = [
     ({"input": "x", "tools": [WEATHER, {"type": "web_search"}], "tool_choice": {"type": "web_search"}},
      "tool_choice: the hosted tool 'web_search' runs on OpenAI's side; this server cannot run it (offer a "
      "function tool instead)", "tool_choice"),
+    ({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": "required"},
+     "tool_choice: \"required\" forces a call, and the only tools are hosted ones (web_search), which run on "
+     "OpenAI's side: this server cannot run them", "tool_choice"),
     ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "allowed_tools"}},
      "tool_choice.type: must be \"function\" (a named function tool), got 'allowed_tools'", "tool_choice.type"),
     ({"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},

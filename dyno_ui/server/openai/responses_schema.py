@@ -283,6 +283,10 @@ class ResponsesRequest(_Strict):
     def choice(self) -> neutral.ToolChoice:
         if self.tool_choice is None:
             return neutral.ToolChoice()
+        if self.tool_choice == "required" and self.hosted() and not self.functions():
+            raise ApiError(400, f"tool_choice: \"required\" forces a call, and the only tools are hosted ones "
+                                f"({', '.join(self.hosted())}), which run on OpenAI's side: this server cannot "
+                                f"run them", param="tool_choice", code="unsupported_parameter")
         if self.tool_choice in ("auto", "none", "required"):
             return neutral.ToolChoice(self.tool_choice)
         if not isinstance(self.tool_choice, dict):
