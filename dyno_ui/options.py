@@ -65,6 +65,8 @@ class ServeOptions:
     ui_front: bool = False  # `python app.py`: / redirects to the playground, Gradio's URL line last
     api_key: Optional[str] = None  # required on /v1/* and at the playground's login
     allowed_origins: Tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
+    allowed_hosts: Tuple[str, ...] = ()  # Host names served besides the bound address and loopback ("*": any)
+    max_body_bytes: int = 32 * 1024 * 1024  # larger request bodies get a 413
     served_model_names: Tuple[str, ...] = ()  # ids requests may use besides the model's folder name
     prompt_cache_bytes: Union[int, str, None] = None  # reusable prompt states' memory (None: see speculative/backend/memory.py)
     prompt_cache_dir: Optional[Path] = None  # keep evicted (and, on shutdown, live) prompt states here
@@ -76,6 +78,13 @@ class ServeOptions:
     def __post_init__(self):
         object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") or o for o in self.allowed_origins))
         object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
+        object.__setattr__(self, "max_body_bytes", parse_size(self.max_body_bytes, "--max-body-bytes"))
+        if not self.max_body_bytes or self.max_body_bytes < 1:
+            raise DynoError(f"--max-body-bytes must be at least 1 byte, got {self.max_body_bytes}")
+        for name in self.allowed_hosts:
+            if not name or "/" in name or name != name.strip():
+                raise DynoError(f"--allowed-hosts takes host names such as dyno.lan (or *), got {name!r}")
         for name in ("prompt_cache_bytes", "prompt_cache_disk_bytes", "max_batch_memory"):  # "8GB", "512MiB", 0, bytes
             object.__setattr__(self, name, parse_size(getattr(self, name), "--" + name.replace("_", "-")))
         if self.api_key is not None and not self.api_key.strip():

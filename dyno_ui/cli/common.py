@@ -79,6 +79,12 @@ def add_access_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", metavar="ORIGIN[,ORIGIN]", action="append", default=[],
                    help="browser origins allowed to call the API (CORS), e.g. https://app.example.com, or *; "
                         "repeatable or comma-separated (default: none)")
+    p.add_argument("--allowed-hosts", metavar="NAME[,NAME]", action="append", default=[],
+                   help="Host header names served besides the bound address, localhost and loopback "
+                        "(a name this machine is reached by; .example.com: the domain and below; *: any); "
+                        "other names get a 403, against DNS rebinding")
+    p.add_argument("--max-body-bytes", metavar="SIZE", default="32MiB",
+                   help="the largest request body (e.g. 64MiB); larger ones get a 413 (default: 32MiB)")
     p.add_argument("--served-model-name", metavar="NAME", action="append", default=[],
                    help="a model id requests may use besides the folder name; repeatable")
 
@@ -93,8 +99,9 @@ def add_thinking_arg(p: argparse.ArgumentParser) -> None:
 def access_options(args: argparse.Namespace) -> dict:
     """The access flags as ServeOptions fields."""
     origins = [o.strip() for value in args.allowed_origins for o in value.split(",") if o.strip()]
-    return dict(api_key=args.api_key or None, allowed_origins=tuple(origins),
-                served_model_names=tuple(args.served_model_name))
+    hosts = [h.strip() for value in args.allowed_hosts for h in value.split(",") if h.strip()]
+    return dict(api_key=args.api_key or None, allowed_origins=tuple(origins), allowed_hosts=tuple(hosts),
+                max_body_bytes=args.max_body_bytes, served_model_names=tuple(args.served_model_name))
 
 
 def notify(message: str) -> None:

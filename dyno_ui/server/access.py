@@ -1,7 +1,9 @@
-"""Who may call the API: the key on /v1/* (401 in the caller's API shape) and browser origins (CORS)."""
+"""Who may call the API: the key on /v1/* (401 in the caller's API shape), browser origins (CORS),
+and the local server's guards against web pages: the Host a request names, the type of a POST's body."""
 
 import ipaddress
-from typing import Optional, Sequence
+import socket
+from typing import Iterable, Optional, Sequence
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -46,16 +48,88 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
+def host_name(header: str) -> str:
+    """The name in a Host header, without its port or brackets, lowercase, without a final dot."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return (header.rsplit(":", 1)[0] if header.count(":") == 1 else header).rstrip(".")
+
+
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def host_allowed(name: str, bound: str, allowed: Iterable[str]) -> bool:
+    """A Host a request may name: the address the server listens on (any of the machine's, and its
+    hostname, when it listens on all), loopback addresses, localhost and *.localhost, and the
+    `--allowed-hosts` names (`*`: any; `.example.com`: that domain and the names below it)."""
+    allowed = [a.lower().rstrip(".") for a in allowed]
+    if "*" in allowed or name in allowed or any(a.startswith(".") and (name.endswith(a) or name == a[1:])
+                                                  for a in allowed):
+        return True
+    if name == "localhost" or name.endswith(".localhost") or name == bound.lower():
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:  # a name: DNS rebinding points a page's own name at this address
+        return bound in WILDCARDS and name == socket.gethostname().lower()
+    return address.is_loopback or bound in WILDCARDS  # an address is no page's name
+
+
+# What a playground POST may carry: Gradio's JSON calls and its file uploads (its login, with a
+# key, posts a form: a page that does not know the key gains nothing by sending one).
+UI_BODY_TYPES = ("application/json", "multipart/form-data")
+LOGIN_FORM = "application/x-www-form-urlencoded"
+
+
+def ui_body_allowed(path: str, content_type: str) -> bool:
+    """A playground POST's body type is one a web page cannot send without a CORS preflight."""
+    kind = content_type.split(";")[0].strip().lower()
+    return kind in UI_BODY_TYPES or kind == LOGIN_FORM and path.endswith("/login")
+
+
+class LocalGuard:
+    """ASGI middleware: a request whose Host names no address of this server (a page whose DNS name
+    was rebound to it) gets a 403; a POST outside the API (the playground) whose body is neither JSON
+    nor an upload, which a page can send without a CORS preflight, gets a 415. The API's routes check
+    their bodies' type themselves (server/errors.py read_request)."""
+
+    def __init__(self, app, bound: str, allowed_hosts: Sequence[str], envelope_for: Chooser):
+        self.app, self.bound, self.allowed = app, bound, tuple(allowed_hosts)
+        self.envelope_for = envelope_for
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        name, err = host_name(headers.get("host", "")), None
+        if not host_allowed(name, self.bound, self.allowed):
+            err = ApiError(403, f"Host {name!r} names no address of this server; to serve it, start the "
+                                f"server with --allowed-hosts {name or 'NAME'}", kind="permission_error",
+                           code="host_not_allowed")
+        elif (scope["type"] == "http" and scope["method"] == "POST" and not under(scope["path"], API_PREFIX)
+              and not ui_body_allowed(scope["path"], headers.get("content-type", ""))):
+            err = ApiError(415, "The request body must be JSON or a file upload", code="unsupported_media_type")
+        if err is None:
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        response = JSONResponse(self.envelope_for(scope["path"], headers)(err), status_code=err.status)
+        await response(scope, receive, send)
+
+
 def add_access(app: FastAPI, api_key: Optional[str], allowed_origins: Sequence[str],
-               envelope_for: Chooser) -> None:
+               envelope_for: Chooser, bound: str = "127.0.0.1", allowed_hosts: Sequence[str] = ()) -> None:
     """The key check inside CORS: a preflight is answered before any key is asked for, and a 401
-    still carries the CORS headers a browser needs to read it."""
+    still carries the CORS headers a browser needs to read it. The Host check is outermost: a page
+    whose name was rebound to this server gets nothing, not even CORS headers."""
     if api_key:
         app.add_middleware(RequireKey, key=api_key, envelope_for=envelope_for)
     if allowed_origins:
         # Any request header: the origins are the gate, and the SDKs send headers of their own (x-stainless-*).
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"])
+    app.add_middleware(LocalGuard, bound=bound, allowed_hosts=allowed_hosts, envelope_for=envelope_for)
 
 
 def is_loopback(host: str) -> bool:

@@ -4,6 +4,9 @@
 translate; requests become engine jobs in each API's convert module, and the engine runs on the worker.
 """
 
+import os
+from typing import Optional
+
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
@@ -13,18 +16,31 @@ from . import models
 from .access import add_access
 from .anthropic import routes as anthropic_routes
 from .anthropic.schema import error_response as anthropic_error
-from .errors import MAX_BODY_BYTES, add_error_handlers
+from .errors import add_error_handlers
+from .fields import IgnoredFields
 from .openai import routes as openai_routes
 from .openai.schema import error_response
 
 
-def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES,
+def public_source(source):
+    """A head's source as /stats shows it to callers without the key: a Hub repo as it is, a folder
+    by its last name only (the rest of the path says where the user keeps files)."""
+    if not isinstance(source, str) or not (os.path.isabs(source) or source.startswith(("~", "."))
+                                           or os.sep in source and os.path.exists(source)):
+        return source
+    return "local folder " + os.path.basename(source.rstrip("/\\"))
+
+
+def create_app(served: ServedModel, max_body_bytes: Optional[int] = None,
                options: ServeOptions = ServeOptions(), root: bool = True) -> FastAPI:
     """The server's app for `served`, whose worker is already started; `options` says who may call it
-    (the key, browser origins); the names requests may use are `served.names`. `root`: `GET /` and
-    `HEAD /` answer a short JSON (clients probe it before their first request)."""
+    (the key, browser origins, Host names) and the largest body (`max_body_bytes` overrides it); the
+    names requests may use are `served.names`. `root`: `GET /` and `HEAD /` answer a short JSON
+    (clients probe it before their first request)."""
+    max_body_bytes = max_body_bytes or options.max_body_bytes
     app = FastAPI(title="Dyno", version="0.1.0")
     app.state.served = served
+    app.state.ignored_fields = ignored = IgnoredFields()  # read_request notes each request's unknown fields
     anthropic_envelope = lambda err: anthropic_error(err).model_dump()  # noqa: E731
     envelope_for = add_error_handlers(app, lambda err: error_response(err).model_dump(),
                                       by_path={anthropic_routes.PREFIX: anthropic_envelope},
@@ -47,7 +63,9 @@ def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES,
         lm = served.lm  # the model served now (the Models tab can swap it)
         memory, health = lm.head_memory, lm.head_health
         head = {**memory.as_json(), "health": health.as_json() if health else None} if memory else None
-        return {**metrics.stats_json(), "mtp_head": head}
+        if head and options.api_key:  # open without the key: the head's source may name a local folder
+            head["source"] = public_source(head.get("source"))
+        return {**metrics.stats_json(), "mtp_head": head, "ignored_fields": ignored.as_json()}
 
     @app.get("/metrics")
     def prometheus():
@@ -56,5 +74,5 @@ def create_app(served: ServedModel, max_body_bytes: int = MAX_BODY_BYTES,
     models.add_routes(app, served)
     openai_routes.add_routes(app, served, max_body_bytes)
     anthropic_routes.add_routes(app, served, max_body_bytes, options.default_thinking)
-    add_access(app, options.api_key, options.allowed_origins, envelope_for)
+    add_access(app, options.api_key, options.allowed_origins, envelope_for, options.host, options.allowed_hosts)
     return app

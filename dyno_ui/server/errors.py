@@ -15,30 +15,65 @@ from speculative.errors import DynoError
 from ..runtime.errors import RETRY_AFTER_S, ApiError
 
 log = logging.getLogger("dyno.serve")
-MAX_BODY_BYTES = 32 * 1024 * 1024
 Body = TypeVar("Body", bound=BaseModel)
 Envelope = Callable[[ApiError], dict]
 
 
 async def read_request(request: Request, kind: Type[Body], max_bytes: int) -> Body:
-    """The JSON body as `kind`, whatever the Content-Type (curl -d sends a form type); 413 past max_bytes."""
-    too_large = ApiError(413, f"The request body is larger than {max_bytes} bytes", code="request_too_large")
+    """The JSON body as `kind`: 415 unless it is sent as JSON, 413 past max_bytes; the fields `kind`
+    does not know are logged and counted (server/fields.py) when the app keeps `ignored_fields`."""
+    if not is_json(request.headers.get("content-type")):
+        # A web page may POST text/plain or a form to any address without a CORS preflight: a JSON
+        # type is what keeps other sites' pages from starting generations on this machine.
+        raise ApiError(415, "The request body must be sent as Content-Type: application/json, got "
+                            f"{request.headers.get('content-type') or 'none'}", code="unsupported_media_type")
     length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > max_bytes:
-        raise too_large
     body = bytearray()
-    async for chunk in request.stream():  # bounded even when the body is chunked
-        body += chunk
-        if len(body) > max_bytes:
-            raise too_large
+    too_large = length.isdigit() and int(length) > max_bytes
+    if not too_large:
+        async for chunk in request.stream():  # bounded even when the body is chunked
+            body += chunk
+            if len(body) > max_bytes:
+                too_large = True
+                break
+    if too_large:
+        await drain(request, max_bytes)
+        raise ApiError(413, f"The request body is larger than {max_bytes} bytes", code="request_too_large")
     try:
         data = json.loads(body)
     except ValueError as e:
         raise ApiError(400, f"The request body is not valid JSON: {e}") from None
     try:
-        return kind.model_validate(data)
+        req = kind.model_validate(data)
     except ValidationError as e:
         raise validation_error(e.errors()) from None
+    ignored = getattr(request.app.state, "ignored_fields", None)
+    if ignored is not None:
+        ignored.note(request.url.path, req)
+    return req
+
+
+def is_json(content_type: Optional[str]) -> bool:
+    """True for application/json (any parameters) and the application/*+json types."""
+    kind = (content_type or "").split(";")[0].strip().lower()
+    return kind == "application/json" or kind.startswith("application/") and kind.endswith("+json")
+
+
+DRAIN_LIMIT = 1 << 30  # past this much the connection is dropped instead: reading it all costs more
+
+
+async def drain(request: Request, max_bytes: int) -> None:
+    """Read and drop the rest of a body too large to keep, so the client, still sending, reads the 413
+    instead of a reset connection (a server that answers early and closes makes the client's next
+    write fail before it reads the answer). Nothing is kept: the memory stays bounded."""
+    seen = 0
+    try:
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > DRAIN_LIMIT + max_bytes:
+                return
+    except Exception:  # the body was partly consumed or the client left: nothing more to read
+        return
 
 
 def validation_error(errors) -> ApiError:

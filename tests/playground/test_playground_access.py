@@ -104,3 +104,18 @@ def test_signed_in_pages_manage_models_without_typing_the_key_again(url, tiny_di
     stream = events(client, "do_fetch", r.json()["event_id"])
     assert stream[-1][0] == "complete", stream  # past the key check: the folder carries its own head
     assert stream[-1][1][0].startswith(f"{tiny_dir()} carries its own head.")
+
+
+def test_a_rebound_host_or_a_plain_text_post_drives_nothing_even_signed_in(url):
+    """A page can make the browser send the session cookie; the Host and the body's type still stop it."""
+    client = signed_in(url)
+    before = counters(url)
+    port = url.rsplit(":", 1)[1]
+    rebound = {"host": f"evil.example:{port}"}
+    assert client.get("/", headers=rebound).status_code == 403
+    assert client.post("/gradio_api/call/compare", json={"data": RACE}, headers=rebound).status_code == 403
+    plain = client.post("/gradio_api/call/compare", content=json.dumps({"data": RACE}),
+                        headers={"content-type": "text/plain"})
+    assert plain.status_code == 415 and plain.json()["error"]["code"] == "unsupported_media_type"
+    assert client.get("/", headers={"host": f"localhost:{port}"}).status_code == 200
+    assert counters(url) == before  # nothing was generated

@@ -158,6 +158,13 @@ def test_flags_become_options(monkeypatch):
         ServeOptions(allowed_origins=("editor.example",))
     with pytest.raises(DynoError, match="api-key"):
         ServeOptions(api_key=" ")
+    local = options_from(parse(["serve", "--allowed-hosts", "dyno.lan, .home.arpa", "--max-body-bytes", "64MiB"]))
+    assert (local.allowed_hosts, local.max_body_bytes) == (("dyno.lan", ".home.arpa"), 64 * 2**20)
+    assert options.max_body_bytes == 32 * 2**20
+    with pytest.raises(DynoError, match="--max-body-bytes must be a number of bytes"):
+        ServeOptions(max_body_bytes="lots")
+    with pytest.raises(DynoError, match="--allowed-hosts takes host names"):
+        ServeOptions(allowed_hosts=("http://dyno.lan",))
 
 
 @pytest.mark.parametrize("host, key, warned", [

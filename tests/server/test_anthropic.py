@@ -25,6 +25,7 @@ SYSTEM = "You write Python."
 ASK = [{"role": "user", "content": "Show me a Python class named `Stack`."}]
 GREEDY = {"temperature": 0}  # the SDK no longer has a temperature argument; the API still takes it
 NO_THINKING = {"type": "disabled"}  # dyno-tiny answers in code only with its think block closed
+JSON_TYPE = {"content-type": "application/json"}  # a body sent without it is a 415
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
            "required": ["city"], "additionalProperties": False}
 TOOLS = [{"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER}]
@@ -346,7 +347,8 @@ def test_errors_are_anthropic_shaped(server, body, status, kind, says):
 
 
 def test_every_error_on_these_routes_is_anthropic_shaped_and_openai_keeps_its_own(server, client):
-    assert error_of(server.post("/v1/messages", content=b'{"model":'))[:2] == (400, "invalid_request_error")
+    bad_json = server.post("/v1/messages", content=b'{"model":', headers=JSON_TYPE)
+    assert error_of(bad_json)[:2] == (400, "invalid_request_error")
     assert error_of(server.post("/v1/messages/count_tokens", json={"model": MODEL_ID}))[:2] == (
         400, "invalid_request_error")
     assert error_of(server.post("/v1/messages/batches", json={}))[:2] == (404, "not_found_error")
@@ -356,7 +358,7 @@ def test_every_error_on_these_routes_is_anthropic_shaped_and_openai_keeps_its_ow
     assert e.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=MODEL_ID, max_tokens=0, messages=ASK)
-    openai_error = server.post("/v1/chat/completions", content=b'{"model":').json()
+    openai_error = server.post("/v1/chat/completions", content=b'{"model":', headers=JSON_TYPE).json()
     assert set(openai_error) == {"error"} and openai_error["error"]["type"] == "invalid_request_error"
     assert server.post("/v1/nothing", json={}).json()["error"]["type"] == "not_found_error"
 
@@ -398,7 +400,7 @@ def test_models_list_and_retrieve_in_anthropics_shape(server, client):
         assert empty == {"data": [], "has_more": False, "first_id": None, "last_id": None}
     # OpenAI's list takes no query, and the header chooses the envelope on the shared path only.
     assert server.get("/v1/models?limit=abc").json()["object"] == "list"
-    openai_error = server.post("/v1/chat/completions", content=b'{"model":', headers=headers).json()
+    openai_error = server.post("/v1/chat/completions", content=b'{"model":', headers={**headers, **JSON_TYPE}).json()
     assert set(openai_error) == {"error"}
 
 

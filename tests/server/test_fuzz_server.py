@@ -1,6 +1,8 @@
 """Property-based fuzzing of the real server: random and boundary values for every field of
 /v1/chat/completions, /v1/completions and /v1/responses, serial and batched, each sent while a
-well-formed request runs beside it. Pass: no 5xx, no hang, /health 200, every well-formed answer exactly right."""
+well-formed request runs beside it, with hostile Host and Content-Type headers among them (a foreign
+Host is a 403, a body not sent as JSON a 415). Pass: no 5xx, no hang, /health 200, every well-formed
+answer exactly right."""
 
 import json
 import math
@@ -103,14 +105,23 @@ ITEM = st.fixed_dictionaries(
 )
 FUNCTION = st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]) | JUNK, "name": TEXT | JUNK},
                                  optional={"parameters": st.just({"type": "object"}) | JUNK, "strict": ANY})
+# Codex's tools: namespaces of function tools (MCP servers'), and hosted tools beside them.
+NAMESPACE = st.fixed_dictionaries({"type": st.just("namespace"), "name": TEXT | JUNK},
+                                  optional={"description": TEXT | JUNK, "tools": st.lists(FUNCTION, max_size=2) | JUNK})
+HOSTED = st.fixed_dictionaries({"type": st.sampled_from(["web_search", "file_search", "code_interpreter",
+                                                         "computer_use_preview", "custom"])},
+                               optional={"name": TEXT, "unknown_field": ANY})
 # /v1/responses: its own field names (max_output_tokens, input, text.format, reasoning.effort) over a
 # mostly well-formed base, as for chat.
 RESPONSE_FIELDS = {
     "max_output_tokens": INTS | JUNK, "temperature": FLOATS | JUNK, "top_p": FLOATS | JUNK,
     "stream": st.booleans() | JUNK, "instructions": TEXT | JUNK, "store": ANY, "metadata": ANY, "user": ANY,
-    "input": TEXT | st.lists(ITEM, max_size=4) | JUNK, "tools": st.lists(FUNCTION, max_size=2) | JUNK,
+    "input": TEXT | st.lists(ITEM, max_size=4) | JUNK,
+    "tools": st.lists(FUNCTION | NAMESPACE | HOSTED, max_size=3) | JUNK,
     "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"},
-                                    {"type": "web_search"}]) | JUNK,
+                                    {"type": "function", "name": "f", "namespace": "ns"},
+                                    {"type": "web_search"}, {"type": "custom", "name": "f"}]) | JUNK,
+    "client_metadata": ANY, "prompt_cache_key": ANY, "conversation": ANY,
     "parallel_tool_calls": ANY, "previous_response_id": TEXT | JUNK, "include": ANY, "unknown_field": ANY,
     "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
                              {"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}}},
@@ -151,11 +162,32 @@ def expected(server):
     return detokenize(lm, plain_greedy(lm, lm.tokenizer.encode(CHECK_PROMPT), 10))
 
 
-def send(url: str, path: str, body) -> tuple:
+# Headers a web page or a confused client sends: a foreign Host (DNS rebinding), a body type a page
+# can send without a CORS preflight, none; and the ones that must pass.
+HEADERS = st.fixed_dictionaries({}, optional={
+    "host": st.sampled_from(["evil.example", "evil.example:8080", "127.0.0.1.evil.example", "localhost",
+                             "api.localhost:1", "[::1]:9", "", "127.0.0.1:1"]),
+    "content-type": st.sampled_from(["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                     "application/json; charset=utf-8", "APPLICATION/JSON", "application/jsonx",
+                                     ""]),
+})
+FOREIGN = ("evil.example", "evil.example:8080", "127.0.0.1.evil.example", "")
+
+
+def expected_refusal(headers) -> int:
+    """The status the headers alone earn (0: none)."""
+    if headers.get("host") in FOREIGN:
+        return 403
+    kind = headers.get("content-type", "application/json").split(";")[0].lower()
+    return 0 if kind == "application/json" else 415
+
+
+def send(url: str, path: str, body, headers=None) -> tuple:
     """(status, parsed body or SSE events) of one raw request; JSON with NaN/Infinity as Python writes it."""
     raw = json.dumps(body).encode()
     with httpx.Client(timeout=60) as client:
-        with client.stream("POST", url + path, content=raw, headers={"content-type": "application/json"}) as r:
+        with client.stream("POST", url + path, content=raw,
+                           headers={"content-type": "application/json", **(headers or {})}) as r:
             text = r.read().decode()
             if r.headers.get("content-type", "").startswith("text/event-stream"):
                 return r.status_code, [line[6:] for line in text.split("\n") if line.startswith("data: ")]
@@ -172,23 +204,25 @@ def well_formed(url: str) -> str:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
-@given(request=REQUEST)
+@given(request=REQUEST, headers=st.one_of(st.just({}), st.just({}), HEADERS))
 # Values that once broke the engine or the server (seed past MLX's range, top_k past the vocabulary,
 # a non-ASCII digit as a logit_bias key, a client's own chat template).
-@example(request=("/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 1, "seed": 2**64}))
+@example(request=("/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 1, "seed": 2**64}), headers={})
 @example(request=("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
-                                          "temperature": 1, "top_k": 10**9}))
-@example(request=("/v1/completions", {"prompt": "x", "max_tokens": 4, "logit_bias": {"²": 1}}))
+                                          "temperature": 1, "top_k": 10**9}), headers={})
+@example(request=("/v1/completions", {"prompt": "x", "max_tokens": 4, "logit_bias": {"²": 1}}), headers={})
 @example(request=("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
-                                          "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}))
-def test_no_request_gets_a_5xx_or_hurts_another(server, expected, request):
+                                          "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}), headers={})
+def test_no_request_gets_a_5xx_or_hurts_another(server, expected, request, headers):
     path, body = request
     with ThreadPoolExecutor(2) as pool:
-        fuzzed = pool.submit(send, server.url, path, body)
+        fuzzed = pool.submit(send, server.url, path, body, headers)
         check = pool.submit(well_formed, server.url)
         status, reply = fuzzed.result(timeout=120)
         assert check.result(timeout=120) == expected
     assert status < 500, (status, reply)
+    if expected_refusal(headers):
+        assert status == expected_refusal(headers), (headers, status, reply)
     worker = server.served.worker
     STATUSES.setdefault((worker.concurrency, worker.concurrency > 1 and worker.drafting), []).append(status)
     if status != 200:

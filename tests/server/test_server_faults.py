@@ -68,7 +68,8 @@ MALFORMED = {
 @pytest.mark.parametrize("name", list(MALFORMED))
 def test_malformed_request_gets_an_openai_error(server, name):
     method, path, body, status, param, code = MALFORMED[name]
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body} if body is not None else {}
     r = httpx.request(method, server.url + path, timeout=30, **kw)
     assert r.status_code == status, r.text
     error = r.json()["error"]

@@ -43,7 +43,8 @@ def error_response(err: ApiError) -> ErrorResponse:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields: kept aside, logged (server/fields.py), unused
+    cache_control: Optional[Dict[str, Any]] = None  # on blocks, tools, system: prefixes are reused anyway
 
 
 class TextBlock(_Request):

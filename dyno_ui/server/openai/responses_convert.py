@@ -7,6 +7,7 @@ reasoning (the <think> text), message (the answer's text) and one function_call 
 non-streamed Response is the one the stream's last event carries, so the two hold the same output.
 """
 
+import logging
 from typing import AsyncIterator, List, Optional, Tuple
 
 from ...runtime import chat
@@ -17,6 +18,8 @@ from ...runtime.worker import Job
 from ..streaming import JobStream, sse
 from . import responses_schema as api
 
+log = logging.getLogger("dyno.serve")
+
 # The chat runtime names the fields at fault as chat completions spell them.
 PARAMS = {"messages": "input", "response_format": "text.format"}
 
@@ -24,6 +27,9 @@ PARAMS = {"messages": "input", "response_format": "text.format"}
 def responses_job(served: ServedModel, req: api.ResponsesRequest, sink) -> Tuple[str, Job]:
     """(model id, job) for a Responses request, made exactly as a chat completion's."""
     request = req.chat_request()
+    hosted = req.hosted()
+    if hosted:
+        log.info("dyno: /v1/responses: left out hosted tools this server cannot run: %s", ", ".join(hosted))
     try:
         return chat.job_for(served, request, sink)
     except ApiError as e:
@@ -35,12 +41,12 @@ def responses_job(served: ServedModel, req: api.ResponsesRequest, sink) -> Tuple
 
 def echoed(req: api.ResponsesRequest, model: str) -> api.Response:
     """A fresh in-progress Response with the request's settings, as OpenAI echoes them."""
-    fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else None
+    fmt = api.declared(req.text.format, by_alias=True, exclude_none=True) if req.text and req.text.format else None
     choice = req.tool_choice if req.tool_choice is not None else "auto"
-    tools = [t.model_dump() for t in req.functions()]
+    tools = [api.declared(t) for t in req.functions()]
     for tool in tools:
         tool["strict"] = tool["strict"] is not False
-    reasoning = req.reasoning.model_dump(exclude_none=True) if req.reasoning else {}
+    reasoning = api.declared(req.reasoning, exclude_none=True) if req.reasoning else {}
     return api.Response(
         id=api.new_id("resp"), created_at=api.now(), model=model, instructions=req.instructions,
         max_output_tokens=req.max_output_tokens, metadata=req.metadata or {},
@@ -58,6 +64,7 @@ class Reply:
         self.sequence = 0
         self.open: Optional[api.OutputItem] = None  # the item being written
         self.call_items = {}  # the answer's tool call index -> its item
+        self.namespaces = req.namespaces()  # a flat tool name -> (namespace, name), to name calls back
 
     def start(self) -> List[api.Event]:
         return [self._response("response.created"), self._response("response.in_progress")]
@@ -88,8 +95,9 @@ class Reply:
     def _call(self, item: ToolCallDelta) -> List[api.Event]:
         events = []
         if item.index not in self.call_items:  # its first piece: the id and name
+            space, name = self.namespaces.get(item.name or "", (None, item.name or ""))
             events = self._close() + self._add(api.FunctionCallOut(id=api.new_id("fc"), call_id=item.id,
-                                                                   name=item.name or ""))
+                                                                   name=name, namespace=space))
             self.call_items[item.index] = self.open
         if item.arguments:
             call = self.call_items[item.index]

@@ -1,16 +1,19 @@
 """OpenAI's Responses API (/v1/responses) as Dyno serves it: the request, its reading into the runtime's
 neutral ChatRequest, and the Response object and stream events it answers with.
 
-Unlike the chat types, unknown fields are a 400 (as OpenAI answers them); fields OpenAI defines
-that Dyno does not implement are refused by name (REFUSED_RESPONSES). The server keeps nothing:
-`store` is accepted, `previous_response_id` is refused, every request carries its whole input.
+Unknown fields, here and in items and tools, are ignored and logged (server/fields.py: the field
+policy, docs/server.md); fields OpenAI defines that Dyno cannot honour are refused by name
+(REFUSED_RESPONSES). The server keeps nothing: `store` is accepted, `previous_response_id` is refused,
+every request carries its whole input. `namespace` tools are flattened into their function tools,
+named NAMESPACE__NAME for the model (the calls it returns carry `namespace` and `name` again);
+hosted tools (web search, code interpreter, ...) run on OpenAI's side: they are left out.
 """
 
 import time
 import uuid
 from typing import Any, ClassVar, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from ...runtime import request as neutral
 from ...runtime.errors import ApiError
@@ -36,7 +39,20 @@ EFFORTS = {"none": (False, None), **{effort: (None, budget) for effort, budget i
 
 
 class _Strict(chat._Request):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown fields are kept aside, logged, and not used
+
+
+NAMESPACE_JOIN = "__"  # the model sees a namespace's tool as NAMESPACE__NAME (Codex's own MCP naming)
+
+
+def flat_name(namespace: Optional[str], name: str) -> str:
+    """The function name the model sees for `name` in `namespace`."""
+    return f"{namespace}{NAMESPACE_JOIN}{name}" if namespace else name
+
+
+def declared(model: BaseModel, **kw) -> dict:
+    """`model` as a dict of its declared fields alone (the unknown ones a request sent are not echoed)."""
+    return model.model_dump(include=set(type(model).model_fields), **kw)
 
 
 def _checked(kind, value: Any, where: Sequence) -> Any:
@@ -78,6 +94,7 @@ class FunctionCallItem(_Strict):
     type: Literal["function_call"]
     call_id: str
     name: str
+    namespace: Optional[str] = None  # a call of a namespace's tool
     arguments: str
     id: Optional[str] = None
     status: Optional[str] = None
@@ -133,6 +150,7 @@ class FunctionTool(_Strict):
 class NamedFunction(_Strict):
     type: Literal["function"]
     name: str
+    namespace: Optional[str] = None
 
 
 class TextFormat(_Strict):
@@ -153,6 +171,20 @@ class ReasoningConfig(_Strict):
     effort: Optional[Literal[tuple(EFFORTS)]] = None
     summary: Optional[Literal["auto", "concise", "detailed"]] = None  # the reasoning comes whole, as content
     generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
+
+
+class Namespace(_Strict):
+    """A named group of function tools (MCP servers' tools, as Codex sends them)."""
+
+    type: Literal["namespace"]
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    tools: List[Any] = []
+
+
+# tool_choice types that force a tool OpenAI runs: a request forcing one cannot be answered here.
+HOSTED_CHOICES = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use",
+                  "computer_use_preview", "image_generation", "mcp", "local_shell", "shell", "apply_patch")
 
 
 class StreamOptions(_Strict):
@@ -208,25 +240,66 @@ class ResponsesRequest(_Strict):
             out.append(_checked(ITEMS[kind], raw, ("input", i)))
         return out
 
-    def functions(self) -> List[FunctionTool]:
+    def tool_entries(self) -> List[Tuple[Tuple, FunctionTool, Optional[str]]]:
+        """(where in the request, function tool, its namespace) for every function tool, those inside
+        a namespace with their flat names; hosted tools are left out (hosted())."""
         out = []
         for i, raw in enumerate(self.tools or ()):
-            if raw.get("type") != "function":
-                raise _bad(("tools", i, "type"), f"only function tools are supported, got {raw.get('type')!r}")
-            out.append(_checked(FunctionTool, raw, ("tools", i)))
+            if not isinstance(raw, dict):
+                raise _bad(("tools", i), "must be an object (a tool)")
+            if raw.get("type") == "namespace":
+                space = _checked(Namespace, raw, ("tools", i))
+                for j, inner in enumerate(space.tools):
+                    where = ("tools", i, "tools", j)
+                    if not isinstance(inner, dict) or inner.get("type", "function") != "function":
+                        raise _bad((*where, "type"), "a namespace may hold only function tools here")
+                    tool = _checked(FunctionTool, {"type": "function", **inner}, where)
+                    tool.name = flat_name(space.name, tool.name)
+                    out.append((where, tool, space.name))
+            elif raw.get("type") == "function":
+                out.append((("tools", i), _checked(FunctionTool, raw, ("tools", i)), None))
         return out
+
+    def functions(self) -> List[FunctionTool]:
+        """The function tools the model is offered, namespaces flattened."""
+        return [tool for _, tool, _ in self.tool_entries()]
+
+    def hosted(self) -> List[str]:
+        """The types of the tools left out of the prompt: tools OpenAI runs on its side (web_search,
+        file_search, code_interpreter, computer_use, ...), which a local model cannot call."""
+        return [raw.get("type") for raw in self.tools or () if isinstance(raw, dict)
+                and raw.get("type") not in ("function", "namespace")]
+
+    def namespaces(self) -> Dict[str, Tuple[str, str]]:
+        """A flat tool name -> (namespace, name) as the request gave them, to name the calls back."""
+        return {tool.name: (space, tool.name[len(space) + len(NAMESPACE_JOIN):])
+                for _, tool, space in self.tool_entries() if space}
+
+    def parts(self) -> List[Tuple[Tuple, BaseModel]]:
+        """The items and tools this type reads itself, with where they are (for the field policy)."""
+        return [(("input", i), item) for i, item in enumerate(self.items())] + \
+            [(where, tool) for where, tool, _ in self.tool_entries()]
 
     def choice(self) -> neutral.ToolChoice:
         if self.tool_choice is None:
             return neutral.ToolChoice()
+        if self.tool_choice == "required" and self.hosted() and not self.functions():
+            raise ApiError(400, f"tool_choice: \"required\" forces a call, and the only tools are hosted ones "
+                                f"({', '.join(self.hosted())}), which run on OpenAI's side: this server cannot "
+                                f"run them", param="tool_choice", code="unsupported_parameter")
         if self.tool_choice in ("auto", "none", "required"):
             return neutral.ToolChoice(self.tool_choice)
         if not isinstance(self.tool_choice, dict):
             raise _bad(("tool_choice",), 'must be "auto", "none", "required" or {"type": "function", "name": ...}')
-        if self.tool_choice.get("type") != "function":
-            raise _bad(("tool_choice", "type"), f'must be "function" (a named function tool), '
-                                                f"got {self.tool_choice.get('type')!r}")
-        return neutral.ToolChoice.named(_checked(NamedFunction, self.tool_choice, ("tool_choice",)).name)
+        kind = self.tool_choice.get("type")
+        if kind in self.hosted() or kind in HOSTED_CHOICES:
+            raise ApiError(400, f"tool_choice: the hosted tool {kind!r} runs on OpenAI's side; this server "
+                                f"cannot run it (offer a function tool instead)", param="tool_choice",
+                           code="unsupported_parameter")
+        if kind != "function":
+            raise _bad(("tool_choice", "type"), f'must be "function" (a named function tool), got {kind!r}')
+        named = _checked(NamedFunction, self.tool_choice, ("tool_choice",))
+        return neutral.ToolChoice.named(flat_name(named.namespace, named.name))
 
     def format(self) -> Optional[JsonSchema]:
         """text.format as the JSON the answer follows (the grammar chat's response_format takes)."""
@@ -309,8 +382,9 @@ def messages(instructions: Optional[str], items: List[Item]) -> Tuple[neutral.Me
             elif isinstance(item, MessageItem):
                 turn["content"] += text_of(item.content, where)
             else:
-                names[item.call_id] = item.name
-                call = chat.ToolCall(id=item.call_id, function=chat.FunctionCall(name=item.name,
+                name = flat_name(item.namespace, item.name)  # as the model saw the tool
+                names[item.call_id] = name
+                call = chat.ToolCall(id=item.call_id, function=chat.FunctionCall(name=name,
                                                                                  arguments=item.arguments))
                 turn["calls"].append(call.call())
     flush()
@@ -356,6 +430,14 @@ class FunctionCallOut(BaseModel):
     call_id: str
     name: str
     arguments: str = ""
+    namespace: Optional[str] = None  # a namespace tool's call: left out when None, as OpenAI does
+
+    @model_serializer(mode="wrap")
+    def _without_empty_namespace(self, handler):
+        out = handler(self)
+        if out.get("namespace") is None:
+            out.pop("namespace", None)
+        return out
 
 
 OutputItem = Union[MessageOut, ReasoningOut, FunctionCallOut]

@@ -1,7 +1,7 @@
 """The OpenAI API as Dyno serves it: request and response types, and the mapping to the runtime's request.
 
 Validation lives in the types (bounds as OpenAI documents them); the server turns a failed
-validation into an OpenAI-shaped 400. Unknown fields are ignored, as OpenAI-compatible servers do;
+validation into an OpenAI-shaped 400. Unknown fields are ignored and logged (server/fields.py);
 fields OpenAI defines that Dyno does not implement are refused by name (REFUSED_CHAT, REFUSED_COMPLETION).
 """
 
@@ -61,7 +61,7 @@ REFUSED_COMPLETION: Refusals = {
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields: kept aside, logged (server/fields.py), unused
     REFUSED: ClassVar[Refusals] = {}
 
     @model_validator(mode="before")
