@@ -114,7 +114,8 @@ class LocalGuard:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
-        response = JSONResponse(self.envelope_for(scope["path"], headers)(err), status_code=err.status)
+        response = JSONResponse(self.envelope_for(scope["path"], headers)(err), status_code=err.status,
+                                headers=retry_headers(err.status))
         await response(scope, receive, send)
 
 

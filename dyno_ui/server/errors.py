@@ -92,7 +92,7 @@ Chooser = Callable[[str, Mapping[str, str]], Envelope]
 
 # Anthropic's API marks the answers a client must not retry, and those it should retry after a
 # while; both APIs' SDKs read x-should-retry before their own status rules, and Retry-After.
-NO_RETRY = (400, 401, 403, 404, 405, 413, 422)
+NO_RETRY = (400, 401, 403, 404, 405, 413, 415, 422)
 RETRY_LATER = (429, 503, 529)
 
 

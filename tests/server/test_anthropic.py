@@ -520,10 +520,14 @@ def test_role_refusals_are_worded_as_anthropics(server, message, says):
 
 
 def test_errors_say_whether_to_retry_and_the_root_answers(server):
-    for r in (server.post("/v1/messages", content=b'{"model":'), server.get("/v1/messages"),
+    as_json = {"content-type": "application/json"}
+    for r in (server.post("/v1/messages", content=b'{"model":', headers=as_json), server.get("/v1/messages"),
               server.post("/v1/messages", json={"model": "nope", "max_tokens": 5, "messages": ASK}),
-              server.post("/v1/messages/batches", json={}), server.post("/v1/chat/completions", content=b"{")):
-        assert r.status_code in (400, 404, 405) and r.headers["x-should-retry"] == "false"
+              server.post("/v1/messages/batches", json={}),
+              server.post("/v1/chat/completions", content=b"{", headers=as_json),
+              server.post("/v1/messages", content=b"{}", headers={"content-type": "text/plain"}),
+              server.post("/v1/messages", json={}, headers={"host": "rebound.example"})):
+        assert r.status_code in (400, 403, 404, 405, 415) and r.headers["x-should-retry"] == "false"
         assert "retry-after" not in r.headers
     head, get = httpx.head(server.url + "/", timeout=30), server.get("/")
     assert (head.status_code, head.content) == (200, b"")
