@@ -72,10 +72,40 @@ def _tower_weights(path: Path) -> dict:
     return out
 
 
+_PROCESSOR_KEYS = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "rescale_factor",
+                   "do_rescale", "do_normalize", "do_convert_rgb")
+
+
+def _processor_kwargs(path: Path) -> Optional[dict]:
+    """The image processor's settings from the folder's preprocessor_config.json (processor_config.json's
+    image_processor over it), as mlx-vlm 0.7.10 reads them; None when there is none. Not mlx-vlm's own
+    reader: it asks the Hub for a file the folder lacks."""
+    raw = {}
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        try:
+            data = json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            continue
+        raw.update(data.get("image_processor", {}) if name == "processor_config.json" else data)
+    if not raw:
+        return None
+    out = {"patch_size": 16, **{k: raw[k] for k in _PROCESSOR_KEYS if k in raw}}
+    size = raw.get("size") or {}
+    for key, name in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+        if size.get(key) is not None:
+            out[name] = size[key]
+    out.update({k: raw[k] for k in ("min_pixels", "max_pixels") if raw.get(k) is not None})
+    return out
+
+
 def load_vision(path: Path, config: dict) -> Tuple[Optional[Vision], Optional[str]]:
     """(the vision tower and processor, None), or (None, why this model cannot take images)."""
     if "vision_config" not in config:
         return None, (f"{path.name} has no vision tower (a text-only conversion); "
+                      "use a vision-language conversion (the original Qwen repo, or an mlx-vlm conversion)")
+    processor_kwargs = _processor_kwargs(path)
+    if processor_kwargs is None:
+        return None, (f"{path.name} has no image processor config (preprocessor_config.json); "
                       "use a vision-language conversion (the original Qwen repo, or an mlx-vlm conversion)")
     weights = _tower_weights(path)
     if not weights:
@@ -85,8 +115,7 @@ def load_vision(path: Path, config: dict) -> Tuple[Optional[Vision], Optional[st
         from mlx_vlm.models.qwen3_5.config import ModelConfig
         from mlx_vlm.models.qwen3_5.language import Qwen3_5RotaryEmbedding
         from mlx_vlm.models.qwen3_5.vision import VisionModel
-        # The checkpoint's processor settings, read as mlx-vlm reads them (pinned 0.7.10).
-        from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor, _qwen_vl_image_kwargs
+        from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor
     except ImportError:
         return None, f"images need mlx-vlm: {VISION_INSTALL}"
     try:
@@ -105,7 +134,7 @@ def load_vision(path: Path, config: dict) -> Tuple[Optional[Vision], Optional[st
         rotary = Qwen3_5RotaryEmbedding(int(text.head_dim * rope["partial_rotary_factor"]),
                                         max_position_embeddings=text.max_position_embeddings,
                                         base=rope["rope_theta"], mrope_section=rope["mrope_section"])
-        processor = Qwen3VLImageProcessor(**_qwen_vl_image_kwargs(str(path), default_patch_size=16))
+        processor = Qwen3VLImageProcessor(**processor_kwargs)
     except Exception as e:  # a tower that does not load costs images, not the model
         return None, f"the vision tower of {path.name} cannot be loaded: {one_line(e)}"
     return Vision(tower, processor, rotary, cfg.image_token_id, cfg.vision_start_token_id,
@@ -195,3 +224,14 @@ def image_prompt(target, vision: Vision, tokens: Sequence[int], images: Sequence
     mx.eval(embeddings)
     digests = tuple((hashlib.sha256(b).hexdigest(), g) for b, g in zip(images, grids))
     return widened, VisionInput(embeddings, rope, digests)
+
+
+def images_for(lm, tokens: Sequence[int], images: Sequence[bytes],
+               limits: ImageLimits = ImageLimits()) -> Tuple[List[int], Optional[VisionInput]]:
+    """`image_prompt` for a LoadedModel `lm`: (tokens, None) without images; a model that takes none
+    (no tower, or no mlx-vlm) is a DynoError saying why and what to do."""
+    if not images:
+        return list(tokens), None
+    if lm.vision is None:
+        raise DynoError(lm.vision_error or f"{lm.name} takes no images")
+    return image_prompt(lm.target, lm.vision, tokens, images, limits)
