@@ -11,9 +11,11 @@ from typing import List, Optional, Tuple
 
 from speculative.constraints import constraint_for
 from speculative.loader import LoadedModel
+from speculative.loader.vision import VisionInput, images_for
 from speculative.thinking_budget import ThinkingBudget, budget_for
 
 from .errors import bad_request
+from .images import request_images
 from .request import ChatRequest, Message, ToolCall
 from .served import ServedModel, chat_job, chat_prompt, checked_sampling
 from .tools import answer_constraint, check_tools, template_tools, tool_call_stream
@@ -27,6 +29,7 @@ class Prompt:
     model: str  # the served model's id
     lm: LoadedModel
     tokens: List[int]
+    vision: Optional[VisionInput] = None  # its images' embeddings and positions, when it has images
 
 
 def prompt_for(served: ServedModel, request: ChatRequest) -> Prompt:
@@ -38,7 +41,16 @@ def prompt_for(served: ServedModel, request: ChatRequest) -> Prompt:
     if request.thinking is not None:
         kwargs["enable_thinking"] = request.thinking
     messages = [template_message(m) for m in request.messages]
-    return Prompt(model_id, lm, chat_prompt(lm, messages, kwargs, template_tools(request), request.prefill))
+    urls = [u for m in request.messages for u in m.images]
+    if urls and lm.vision is None:  # before anything is fetched or decoded
+        with bad_request("messages"):
+            images_for(lm, [], [b""])
+    tokens = chat_prompt(lm, messages, kwargs, template_tools(request), request.prefill)
+    if not urls:
+        return Prompt(model_id, lm, tokens)
+    with bad_request("messages"):
+        tokens, vision = images_for(lm, tokens, request_images(urls, served.images), served.images.limits)
+    return Prompt(model_id, lm, tokens, vision)
 
 
 def job_for(served: ServedModel, request: ChatRequest, sink) -> Tuple[str, Job]:
@@ -54,7 +66,8 @@ def job_for(served: ServedModel, request: ChatRequest, sink) -> Tuple[str, Job]:
     budget = thinking_budget(served, request, prompt)
     params = checked_sampling(lm, prompt.tokens, "messages", request.sampling, served.default_max_tokens,
                               constraint, budget)
-    job = chat_job(lm, prompt.tokens, params, list(request.stop), sink, tool_calls=tool_call_stream(lm, request))
+    job = chat_job(lm, prompt.tokens, params, list(request.stop), sink, tool_calls=tool_call_stream(lm, request),
+                   vision=prompt.vision)
     return prompt.model, job
 
 

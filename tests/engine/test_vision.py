@@ -21,9 +21,8 @@ WIDTH, HEIGHT = 64, 96  # a 12 x 8 patch grid: 24 rows over 12 positions, rope d
 
 
 @pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    folder = vision_models.build(tmp_path_factory.mktemp("vl"))
-    return folder, load_checkpoint(folder)
+def vl(vl_dir):
+    return vl_dir, load_checkpoint(vl_dir)
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +111,29 @@ def test_bad_images_are_one_line_errors(vl):
         image_prompt(lm.target, lm.vision, prompt, [b"not an image"])
     with pytest.raises(DynoError, match="1 image placeholders for 2 images"):
         image_prompt(lm.target, lm.vision, prompt, [vision_models.png(32, 32)] * 2)
+
+
+@pytest.mark.e2e
+def test_dyno_generate_image_drafts_the_plain_answer_and_a_bad_image_exits_2(vl, tmp_path, capsys):
+    """`dyno generate --image` as a user runs it (one subprocess), and a bad image's one line (in process)."""
+    import json
+
+    from dyno_ui.cli import main
+    from helpers.run import dyno
+    from speculative.loader.vision import images_for
+
+    folder, lm = vl
+    image = tmp_path / "image.png"
+    image.write_bytes(vision_models.png(WIDTH, HEIGHT))
+    prompt = lm.tokenizer.encode("<|vision_start|><|image_pad|><|vision_end|>" + "What is this?")
+    ids, vision = images_for(lm, prompt, [image.read_bytes()])
+    plain = tokens(generate(lm, ids, SamplingParams(max_tokens=40), SpecConfig(mode="off"), vision=vision))
+    r = dyno("generate", "--model", str(folder), "--prompt", "What is this?", "--image", str(image), "--json",
+             "--speculative", "mtp", "--draft-depth", "2", "--max-tokens", "40")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens"] == plain
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    assert main(["generate", "--model", str(folder), "--prompt", "x", "--image", str(bad)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "dyno: error: image 1 cannot be decoded: not a PNG, JPEG, WebP or GIF image"
