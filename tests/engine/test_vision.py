@@ -1,12 +1,11 @@
 """Images in the prompt: a tiny Qwen3.5-VL checkpoint loads in mlx-vlm and in Dyno, Dyno's positions
-and prompt logits are mlx-vlm's, and greedy decoding with an image drafts exactly (rollback included)."""
+and prompt logits are mlx-vlm's, and greedy decoding with an image drafts exactly (rollback included).
+Tests on the checkpoint (`vl_dir`) skip without mlx-vlm; the others run either way."""
 
 import random
 
 import mlx.core as mx
 import pytest
-
-pytest.importorskip("mlx_vlm", reason="images need mlx-vlm (pip install 'dyno-mlx[vision]')")
 
 from helpers import vision_models
 from speculative.config import SamplingParams, SpecConfig
@@ -137,3 +136,16 @@ def test_dyno_generate_image_drafts_the_plain_answer_and_a_bad_image_exits_2(vl,
     assert main(["generate", "--model", str(folder), "--prompt", "x", "--image", str(bad)]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == \
         "dyno: error: image 1 cannot be decoded: not a PNG, JPEG, WebP or GIF image"
+
+
+def test_a_tower_without_mlx_vlm_names_the_install(tmp_path, monkeypatch):
+    """Runs without mlx-vlm too: the check comes before mlx-vlm is imported."""
+    import json
+    import sys
+
+    from speculative.loader.vision import load_vision
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(vision_models.PREPROCESSOR))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"model.visual.patch_embed.proj.weight": mx.zeros((2,))})
+    monkeypatch.setitem(sys.modules, "mlx_vlm", None)  # as if it were not installed
+    assert load_vision(tmp_path, {"vision_config": {}}) == (None, "images need mlx-vlm: pip install 'dyno-mlx[vision]'")

@@ -91,3 +91,11 @@ def test_video_and_too_many_images_are_refused(server):
     r = server.post("/v1/chat/completions", json={"model": MODEL_ID, "max_tokens": 2,
                                                   "messages": [{"role": "user", "content": parts}]})
     assert r.status_code == 400 and "9 images in one request, over the limit of 8" in r.text
+
+
+def test_under_concurrency_an_image_request_is_served_by_itself(vl_dir):
+    png = vision_models.png(64, 96, seed=1)
+    with running_server(vl_dir, SpecConfig("mtp", draft_depth=2), decode_concurrency=2, drafting_batch=True) as s:
+        r = s.client.chat.completions.create(model=MODEL_ID, max_tokens=N, temperature=0,
+                                             messages=[{"role": "user", "content": openai_parts(png)}])
+        assert r.choices[0].message.content == reference(s.served.lm, png)[0]
