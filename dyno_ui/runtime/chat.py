@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 
 from speculative.constraints import constraint_for
 from speculative.loader import LoadedModel
-from speculative.loader.vision import VisionInput, images_for
+from speculative.loader.vision import ProcessedImages, checked_vision, process_images
 from speculative.thinking_budget import ThinkingBudget, budget_for
 
 from .errors import bad_request
@@ -29,7 +29,7 @@ class Prompt:
     model: str  # the served model's id
     lm: LoadedModel
     tokens: List[int]
-    vision: Optional[VisionInput] = None  # its images' embeddings and positions, when it has images
+    images: Optional[ProcessedImages] = None  # its images, processed (the engine thread runs the tower)
 
 
 def prompt_for(served: ServedModel, request: ChatRequest) -> Prompt:
@@ -42,15 +42,15 @@ def prompt_for(served: ServedModel, request: ChatRequest) -> Prompt:
         kwargs["enable_thinking"] = request.thinking
     messages = [template_message(m) for m in request.messages]
     urls = [u for m in request.messages for u in m.images]
-    if urls and lm.vision is None:  # before anything is fetched or decoded
-        with bad_request("messages"):
-            images_for(lm, [], [b""])
+    if urls:
+        with bad_request("messages"):  # before anything is fetched or decoded
+            vision = checked_vision(lm)
     tokens = chat_prompt(lm, messages, kwargs, template_tools(request), request.prefill)
     if not urls:
         return Prompt(model_id, lm, tokens)
     with bad_request("messages"):
-        tokens, vision = images_for(lm, tokens, request_images(urls, served.images), served.images.limits)
-    return Prompt(model_id, lm, tokens, vision)
+        tokens, images = process_images(vision, tokens, request_images(urls, served.images), served.images.limits)
+    return Prompt(model_id, lm, tokens, images)
 
 
 def job_for(served: ServedModel, request: ChatRequest, sink) -> Tuple[str, Job]:
@@ -67,7 +67,7 @@ def job_for(served: ServedModel, request: ChatRequest, sink) -> Tuple[str, Job]:
     params = checked_sampling(lm, prompt.tokens, "messages", request.sampling, served.default_max_tokens,
                               constraint, budget)
     job = chat_job(lm, prompt.tokens, params, list(request.stop), sink, tool_calls=tool_call_stream(lm, request),
-                   vision=prompt.vision)
+                   images=prompt.images)
     return prompt.model, job
 
 

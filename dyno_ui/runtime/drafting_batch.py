@@ -152,7 +152,7 @@ class DraftingBatch:
                     return False
                 if w._settled_in_queue(job) or w._stale(job):
                     continue
-                if job.vision is not None:  # not yet a row of the batch: served by itself, the batch waiting
+                if job.images is not None:  # not yet a row of the batch: served by itself, the batch waiting
                     w.run_alone(job)
                     continue
             tokens = len(job.prompt) + job.params.max_tokens

@@ -11,7 +11,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -188,9 +188,20 @@ def rope_index(tokens: Sequence[int], grids: Sequence[Tuple[int, int, int]], ima
     return axes, at - len(tokens)
 
 
-def image_prompt(target, vision: Vision, tokens: Sequence[int], images: Sequence[bytes],
-                 limits: ImageLimits = ImageLimits()) -> Tuple[List[int], VisionInput]:
-    """(token ids with each image's placeholder widened to its rows, what prefill takes for them).
+@dataclass(frozen=True)
+class ProcessedImages:
+    """A prompt's images as the image processor leaves them (numpy, no MLX yet): the tower's input,
+    each image's patch grid and the digest of its bytes."""
+
+    pixel_values: Any  # numpy [patches, C x temporal patch x patch x patch]
+    grids: Tuple[Tuple[int, int, int], ...]
+    digests: Tuple[str, ...]  # sha256 of each image's bytes
+
+
+def process_images(vision: Vision, tokens: Sequence[int], images: Sequence[bytes],
+                   limits: ImageLimits = ImageLimits()) -> Tuple[List[int], ProcessedImages]:
+    """(token ids with each image's placeholder widened to its rows, the processed images), with
+    Pillow and numpy alone: any thread may call it (MLX work is `vision_input`'s, the engine thread's).
 
     `tokens` hold one `<|image_pad|>` per image (as chat templates render an image part), in order.
     """
@@ -204,7 +215,7 @@ def image_prompt(target, vision: Vision, tokens: Sequence[int], images: Sequence
         processed = vision.processor(decoded)
     except Exception as e:
         raise DynoError(f"the image cannot be processed: {one_line(e)}") from None
-    grids = [tuple(int(x) for x in g) for g in processed["image_grid_thw"].tolist()]
+    grids = tuple(tuple(int(x) for x in g) for g in processed["image_grid_thw"].tolist())
     widened, image = [], 0
     for t in tokens:
         if t == vision.image_token_id:
@@ -213,17 +224,37 @@ def image_prompt(target, vision: Vision, tokens: Sequence[int], images: Sequence
             image += 1
         else:
             widened.append(t)
+    digests = tuple(hashlib.sha256(b).hexdigest() for b in images)
+    return widened, ProcessedImages(processed["pixel_values"], grids, digests)
+
+
+def vision_input(target, vision: Vision, tokens: Sequence[int], images: ProcessedImages) -> VisionInput:
+    """What prefill takes for widened `tokens` with their processed `images`: the tower's rows in the
+    image rows' embeddings, the prompt's M-RoPE positions and delta."""
     tower_dtype = vision.tower.patch_embed.proj.weight.dtype
-    features, _ = vision.tower(mx.array(processed["pixel_values"]).astype(tower_dtype), mx.array(grids))
-    ids = mx.array(widened)
-    embeddings = target.embed(ids[None])
-    rows = mx.array([i for i, t in enumerate(widened) if t == vision.image_token_id])
+    features, _ = vision.tower(mx.array(images.pixel_values).astype(tower_dtype), mx.array(images.grids))
+    embeddings = target.embed(mx.array(list(tokens))[None])
+    rows = mx.array([i for i, t in enumerate(tokens) if t == vision.image_token_id])
     embeddings[0, rows] = features.astype(embeddings.dtype)  # the tower's rows, in order, as mlx-vlm's scatter
-    axes, delta = rope_index(widened, grids, vision.image_token_id, vision.merge_size)
+    axes, delta = rope_index(tokens, images.grids, vision.image_token_id, vision.merge_size)
     rope = MRoPE(vision.rotary, mx.array(axes, dtype=mx.int32), delta)
     mx.eval(embeddings)
-    digests = tuple((hashlib.sha256(b).hexdigest(), g) for b, g in zip(images, grids))
-    return widened, VisionInput(embeddings, rope, digests)
+    return VisionInput(embeddings, rope, tuple(zip(images.digests, images.grids)))
+
+
+def image_prompt(target, vision: Vision, tokens: Sequence[int], images: Sequence[bytes],
+                 limits: ImageLimits = ImageLimits()) -> Tuple[List[int], VisionInput]:
+    """(widened token ids, what prefill takes for them): `process_images`, then `vision_input`."""
+    widened, processed = process_images(vision, tokens, images, limits)
+    return widened, vision_input(target, vision, widened, processed)
+
+
+def checked_vision(lm) -> Vision:
+    """`lm`'s vision tower and processor; a model that takes no images (no tower, or no mlx-vlm) is a
+    DynoError saying why and what to do."""
+    if lm.vision is None:
+        raise DynoError(lm.vision_error or f"{lm.name} takes no images")
+    return lm.vision
 
 
 def images_for(lm, tokens: Sequence[int], images: Sequence[bytes],
@@ -232,6 +263,4 @@ def images_for(lm, tokens: Sequence[int], images: Sequence[bytes],
     (no tower, or no mlx-vlm) is a DynoError saying why and what to do."""
     if not images:
         return list(tokens), None
-    if lm.vision is None:
-        raise DynoError(lm.vision_error or f"{lm.name} takes no images")
-    return image_prompt(lm.target, lm.vision, tokens, images, limits)
+    return image_prompt(lm.target, checked_vision(lm), tokens, images, limits)

@@ -147,5 +147,6 @@ def test_a_tower_without_mlx_vlm_names_the_install(tmp_path, monkeypatch):
 
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(vision_models.PREPROCESSOR))
     mx.save_safetensors(str(tmp_path / "model.safetensors"), {"model.visual.patch_embed.proj.weight": mx.zeros((2,))})
-    monkeypatch.setitem(sys.modules, "mlx_vlm", None)  # as if it were not installed
+    for name in [m for m in sys.modules if m.split(".")[0] == "mlx_vlm"] + ["mlx_vlm"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
     assert load_vision(tmp_path, {"vision_config": {}}) == (None, "images need mlx-vlm: pip install 'dyno-mlx[vision]'")
