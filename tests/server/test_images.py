@@ -15,7 +15,7 @@ from speculative.events import Token
 from speculative.loader.vision import images_for
 
 QUESTION = "What is this?"
-N = 40
+N = 24
 
 
 @pytest.fixture(scope="module")
