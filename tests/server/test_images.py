@@ -99,3 +99,38 @@ def test_under_concurrency_an_image_request_is_served_by_itself(vl_dir):
         r = s.client.chat.completions.create(model=MODEL_ID, max_tokens=N, temperature=0,
                                              messages=[{"role": "user", "content": openai_parts(png)}])
         assert r.choices[0].message.content == reference(s.served.lm, png)[0]
+
+
+def test_image_urls_are_fetched_only_when_allowed_and_within_the_byte_limit(server):
+    import http.server
+    import threading
+
+    from dyno_ui.runtime.images import ImagePolicy
+    from speculative.loader.vision import ImageLimits
+
+    png = vision_models.png(64, 96, seed=1)
+
+    class Png(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Png)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/image.png"
+    body = {"model": MODEL_ID, "max_tokens": N, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]}]}
+    try:
+        server.served.images = ImagePolicy(fetch_urls=True)
+        r = server.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == reference(server.served.lm, png)[0]
+        server.served.images = ImagePolicy(ImageLimits(max_bytes=len(png) - 1), fetch_urls=True)
+        r = server.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and f"over the limit of {len(png) - 1} bytes" in r.text
+    finally:
+        server.served.images = ImagePolicy()
+        httpd.shutdown()
