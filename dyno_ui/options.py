@@ -74,6 +74,10 @@ class ServeOptions:
     max_batch_memory: Union[int, str, None] = None  # batched rows' estimated KV + state (None: see speculative/backend/memory.py)
     max_queue: int = 64  # requests waiting beyond those being decoded; more are refused (503, Retry-After)
     default_thinking: bool = False  # Anthropic requests without `thinking`: the template's default, not none
+    allow_image_urls: bool = False  # fetch http(s) image URLs (off: only data: URLs; a fetching server is an SSRF hole)
+    max_images: int = 8  # images per request
+    max_image_bytes: Union[int, str] = 20 * 1024 * 1024  # encoded bytes per image
+    max_image_pixels: int = 40_000_000  # decoded width x height per image
 
     def __post_init__(self):
         object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") or o for o in self.allowed_origins))
@@ -85,7 +89,7 @@ class ServeOptions:
         for name in self.allowed_hosts:
             if not name or "/" in name or name != name.strip():
                 raise DynoError(f"--allowed-hosts takes host names such as dyno.lan (or *), got {name!r}")
-        for name in ("prompt_cache_bytes", "prompt_cache_disk_bytes", "max_batch_memory"):  # "8GB", "512MiB", 0, bytes
+        for name in ("prompt_cache_bytes", "prompt_cache_disk_bytes", "max_batch_memory", "max_image_bytes"):  # "8GB", "512MiB", 0, bytes
             object.__setattr__(self, name, parse_size(getattr(self, name), "--" + name.replace("_", "-")))
         if self.api_key is not None and not self.api_key.strip():
             raise DynoError("--api-key must not be empty")
@@ -97,6 +101,9 @@ class ServeOptions:
                 raise DynoError(f"--served-model-name must be a non-empty name without surrounding spaces, got {name!r}")
         if self.decode_concurrency < 1:
             raise DynoError(f"--decode-concurrency must be at least 1, got {self.decode_concurrency}")
+        for name in ("max_images", "max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise DynoError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise DynoError(f"--max-queue must be 0 or more, got {self.max_queue}")
         if self.max_tokens_default < 1:

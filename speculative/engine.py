@@ -21,6 +21,7 @@ from .errors import DynoError
 from .events import Done, Provenance, Round, RoundDetails, Token, TokenLogprobs
 from .heads.health import gives_up, watch
 from .loader import LoadedModel
+from .loader.vision import VisionInput
 from .backend.memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
 from .processors import PrefixProcessors, processors_for, with_prefix
@@ -42,8 +43,12 @@ def generate(
     until: Optional[Callable[[], Optional[str]]] = None,
     runner: Optional[Callable[..., "Runner"]] = None,
     memory: Memory = MLX_MEMORY,
+    vision: Optional[VisionInput] = None,
 ) -> Iterator[Event]:
     """Generate from `prompt` token ids; drafts with the MTP head unless off or headless.
+
+    `vision` (loader/vision.image_prompt) carries a prompt's images: its embeddings and M-RoPE
+    positions go into prefill; such a prompt bypasses the prefix cache (nothing is taken or kept).
 
     `runner(lm, params, spec, prefill_step)` makes the generation's runner (default `default_runner`:
     a Speculator when drafting, else a PlainRun); tools pass an instrumented one here. The model
@@ -64,11 +69,13 @@ def generate(
     prompt = list(prompt)
     runner = (runner or partial(default_runner, memory=memory))(lm, params, spec, prefill_step)
     resume, cuts = None, []
+    if vision is not None:
+        prefix_cache = None  # its entries are keyed by tokens alone, which two images can share
     if prefix_cache is not None:
         resume = prefix_cache.take(prompt, head_layers=len(lm.head.layers) if drafts(lm, spec) else 0)
         cuts = prefix_cache.plan(len(prompt), boundaries, len(resume) if resume else 0)
     with memory.wired():
-        steps = runner.run(prompt, resume, cuts)
+        steps = runner.run(prompt, resume, cuts) if vision is None else runner.run(prompt, resume, cuts, vision=vision)
         eos = lm.eos_token_ids
         start = time.perf_counter()
         first_at = last_at = None
@@ -170,7 +177,8 @@ def plain_after(spec_run: "Speculator", lm: LoadedModel, params: SamplingParams,
     entry = spec_run.settle(emitted)
     tokens = spec_run.prompt + spec_run.generated[:emitted]
     plain = PlainRun(lm, params, prefill_step, spec_run.memory)
-    return plain, plain.run(tokens, Resume(len(entry.tokens), entry.trunk_cache, checkpoints=entry.checkpoints))
+    resume = Resume(len(entry.tokens), entry.trunk_cache, checkpoints=entry.checkpoints)
+    return plain, plain.run(tokens, resume, vision=spec_run.vision)
 
 
 class PlainRun:
@@ -178,17 +186,23 @@ class PlainRun:
 
     def __init__(self, lm: LoadedModel, params: SamplingParams, prefill_step: int, memory: Memory = MLX_MEMORY):
         self.model, self.params, self.prefill_step, self.vocab = lm.model, params, prefill_step, lm.vocab_size
+        self.target = lm.target
         self.memory = memory  # generate_step clears MLX's buffer cache itself (every 256 tokens)
         self.cache: List = []
         self.fed: List[int] = []  # every token the cache holds
         self.checkpoints: Dict[int, Checkpoint] = {}
 
-    def run(self, prompt: List[int], resume: Optional[Resume] = None, cuts: Sequence[int] = ()) -> Iterator[Token]:
+    def run(self, prompt: List[int], resume: Optional[Resume] = None, cuts: Sequence[int] = (),
+            vision: Optional[VisionInput] = None) -> Iterator[Token]:
         """Tokens from generate_step, continuing from `resume`'s trunk cache when given.
 
         With `cuts`, the prompt up to the last cut is prefilled here (mlx-lm's calls, cut there)
-        and checkpointed at each cut; generate_step takes the rest.
+        and checkpointed at each cut; generate_step takes the rest. With `vision`, generate_step
+        drives the trunk at the image prompt's positions, from its embeddings (no cuts then).
         """
+        if vision is not None:
+            yield from self._run_vision(prompt, resume, vision)
+            return
         p = self.params
         if p.seed is not None:
             mx.random.seed(p.seed)
@@ -209,6 +223,28 @@ class PlainRun:
             mx.array(prompt[start:]), self.model, max_tokens=-1, sampler=sampler,
             logits_processors=with_prefix(processors_for(p), prompt[:start]),
             prompt_cache=self.cache, prefill_step_size=self.prefill_step,
+        ):
+            self.fed.append(int(token))
+            yield Token(int(token), Provenance.PLAIN, *scored(logprobs, [int(token)], p.logprobs))
+
+    def _run_vision(self, prompt: List[int], resume: Optional[Resume], vision: VisionInput) -> Iterator[Token]:
+        """generate_step over a prompt with images: the trunk at their M-RoPE positions, from their
+        embeddings (the rows past them, after `resume`, are text)."""
+        p = self.params
+        if p.seed is not None:
+            mx.random.seed(p.seed)
+        start = len(resume) if resume else 0
+        self.cache = resume.trunk_cache if resume else make_prompt_cache(self.model)
+        self.checkpoints = {}
+        self.fed = list(prompt)
+        n = vision.embeddings.shape[1]
+        embeddings = vision.embeddings[0, start:] if start < n else None
+        if embeddings is not None and len(prompt) != n:
+            raise DynoError("a prompt with images resumes only past its images")
+        for token, logprobs in generate_step(
+            mx.array(prompt[start:]), self.target.positioned(vision.rope), max_tokens=-1,
+            sampler=plain_sampler(p, self.vocab), logits_processors=with_prefix(processors_for(p), prompt[:start]),
+            prompt_cache=self.cache, prefill_step_size=self.prefill_step, input_embeddings=embeddings,
         ):
             self.fed.append(int(token))
             yield Token(int(token), Provenance.PLAIN, *scored(logprobs, [int(token)], p.logprobs))
@@ -274,14 +310,20 @@ class Speculator:
         # (Round.confident), with the round's sync; split across processes it is not checked.
         self.health = lm.head_health if lm.ranks is None else None
         self.confident: Tuple[bool, ...] = ()  # the latest step's, while checked
+        self.vision: Optional[VisionInput] = None  # the prompt's images, when it has some
+        self.rope = None  # their M-RoPE positions (target.MRoPE) for trunk and head; None: mlx-lm's RoPE
 
     def _split(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
         return sub
 
-    def _head(self, tokens: mx.array, hidden: mx.array) -> mx.array:
-        """Head rows for [T] tokens with their [1, T, H] hiddens; returns post-norm [1, T, H]."""
-        return self.head(self.target.embed(tokens[None]), hidden, self.head_cache)
+    def _head(self, tokens: mx.array, hidden: mx.array, embeddings: Optional[mx.array] = None) -> mx.array:
+        """Head rows for [T] tokens with their [1, T, H] hiddens; returns post-norm [1, T, H].
+
+        `embeddings` replace the tokens' (an image's rows are the tower's, as vLLM feeds its head).
+        """
+        embeddings = self.target.embed(tokens[None]) if embeddings is None else embeddings
+        return self.head(embeddings, hidden, self.head_cache, rope=self.rope)
 
     def _pick(self, logits: mx.array, ahead: int = 0):
         """(token, draft distribution) for a [1, V] logits row drafting the token `ahead` places past the
@@ -304,12 +346,19 @@ class Speculator:
             return rows
         return self.processors.rows(rows, self._history(), drafts)
 
-    def prefill(self, prompt: List[int], resume: Optional[Resume] = None, cuts: Sequence[int] = ()):
+    def prefill(self, prompt: List[int], resume: Optional[Resume] = None, cuts: Sequence[int] = (),
+                vision: Optional[VisionInput] = None):
         """Trunk over the prompt in mlx-lm's chunks, the head one row behind; returns t_n.
 
         `resume` holds caches that already consumed the prompt's first len(resume) tokens; at each
-        of `cuts` a chunk ends and the recurrent state is checkpointed.
+        of `cuts` a chunk ends and the recurrent state is checkpointed. `vision` gives a prompt with
+        images its embeddings (trunk rows, and the head's row before each) and M-RoPE positions.
         """
+        self.vision, self.rope = vision, vision.rope if vision is not None else None
+        if vision is not None and resume is not None:
+            raise DynoError("a prompt with images is not resumed from the prefix cache")
+        embeds = vision.embeddings if vision is not None else None
+        rows = (lambda s, e: embeds[:, s:e]) if embeds is not None else (lambda s, e: None)
         tokens = mx.array(prompt)
         n = len(prompt)
         start = 0
@@ -322,14 +371,14 @@ class Speculator:
                 self._head(tokens[start : start + 1], resume.hidden)  # the row it left open
         hidden = resume.hidden if resume is not None else None
         for s, e in segments(start, n - 1, cuts, self.prefill_step):
-            hidden = self.target.hidden(tokens[None, s:e], self.trunk_cache)
-            self._head(tokens[s + 1 : e + 1], hidden)  # row p = (t_{p+1}, h_p)
+            hidden = self.target.hidden(tokens[None, s:e], self.trunk_cache, rows(s, e), self.rope)
+            self._head(tokens[s + 1 : e + 1], hidden, rows(s + 1, e + 1))  # row p = (t_{p+1}, h_p)
             mx.eval([c.state for c in self.trunk_cache + self.head_cache])
             self.memory.clear_cache()  # after each prefill chunk, as mlx-lm's generate_step
             if e in cuts:
                 self.checkpoints[e] = Checkpoint(e, owned(recurrent_state(self.trunk_cache)), mx.array(hidden[:, -1:]))
         before = hidden[:, -1:] if hidden is not None else None  # h_{n-2}, when this run computed it
-        hidden = self.target.hidden(tokens[None, n - 1 :], self.trunk_cache)
+        hidden = self.target.hidden(tokens[None, n - 1 :], self.trunk_cache, rows(n - 1, n), self.rope)
         logits = self._process(self.target.lm_head(hidden[:, -1]))
         first = self._pick_target(logits)
         first_id = self.outcome(first)[0]
@@ -402,7 +451,7 @@ class Speculator:
         drafts, draft_probs = self.queued or self.queue_drafts()
         self.queued = None
         logits, hidden, tapes = self.target.verify(
-            mx.concatenate([self.pending, drafts])[None], self.trunk_cache
+            mx.concatenate([self.pending, drafts])[None], self.trunk_cache, self.rope
         )
         mx.async_eval(logits, hidden)  # the trunk computes while Python builds the rest of the round
         logits = self._process(logits[0], drafts)  # the same processors the drafts saw, per row
@@ -474,11 +523,11 @@ class Speculator:
         q = [None] * len(p) if self.params.greedy else q
         return RoundDetails(tuple(p), tuple(q), tuple(accept), next_p)
 
-    def run(self, prompt: List[int], resume: Optional[Resume] = None,
-            cuts: Sequence[int] = ()) -> Iterator[Union[Token, Round]]:
+    def run(self, prompt: List[int], resume: Optional[Resume] = None, cuts: Sequence[int] = (),
+            vision: Optional[VisionInput] = None) -> Iterator[Union[Token, Round]]:
         """Prefill (after `resume`'s prefix, if any), then rounds until the consumer stops iterating."""
         self.prompt = list(prompt)
-        self.generated = [self.prefill(self.prompt, resume, cuts).item()]
+        self.generated = [self.prefill(self.prompt, resume, cuts, vision).item()]
         yield Token(self.generated[0], Provenance.PLAIN, self.scores[0])
         clearing = self.memory.per_tokens()  # generate_step's cadence (every 256 tokens)
         clearing.add()  # the first token: generate_step counts it too

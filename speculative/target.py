@@ -6,11 +6,11 @@ rollback needs (see cache.GDNTape); mlx-lm's own forward keeps only the final re
 """
 
 from functools import partial
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask, gather_last_axis
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask, gather_last_axis, scaled_dot_product_attention
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
 from .attention_kernels import on_metal
@@ -176,6 +176,47 @@ def _to_next_stage(body, h: mx.array) -> mx.array:
     return h
 
 
+class MRoPE:
+    """Where the full-attention rows of a prompt with images sit (Qwen3.5-VL's 3-axis M-RoPE).
+
+    The prompt's rows take mlx-vlm's 3-axis positions [3, n]; every row at cache offset p >= n
+    (the prompt's last generated tokens, drafts, verify rows) sits at p + delta on all three axes,
+    so draft, verify, accept and rollback keep counting by the cache offset alone. Text-only
+    requests have none (None): mlx-lm's own layers run, with its 1-D RoPE.
+    """
+
+    def __init__(self, rotary, prompt: mx.array, delta: int):
+        self.rotary = rotary  # mlx-vlm's Qwen3_5RotaryEmbedding for the text's rotary dims (apply_rotary)
+        self.prompt = prompt  # [3, n] int32
+        self.delta = int(delta)  # rope_delta: max prompt position + 1 - n (negative for an image)
+
+    def positions(self, start: int, length: int) -> mx.array:
+        """[3, 1, length] positions of the cache rows start .. start + length - 1."""
+        n = self.prompt.shape[-1]
+        idx = mx.arange(start, start + length)
+        inside = mx.take(self.prompt, mx.minimum(idx, n - 1), axis=1)
+        return mx.where(idx < n, inside, idx + self.delta)[:, None, :].astype(mx.int32)
+
+    def attention(self, attn, x: mx.array, mask, cache) -> mx.array:
+        """mlx-lm's Qwen3-Next gated attention op for op, with M-RoPE at these positions for its RoPE."""
+        B, L, _ = x.shape
+        queries, gate = mx.split(attn.q_proj(x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
+        gate = gate.reshape(B, L, -1)
+        keys, values = attn.k_proj(x), attn.v_proj(x)
+        queries = attn.q_norm(queries).transpose(0, 2, 1, 3)
+        keys = attn.k_norm(keys.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys = self.rotary.apply_rotary(queries, keys, self.positions(cache.offset, L), unsqueeze_dim=1)
+        keys, values = cache.update_and_fetch(keys, values)
+        out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
+        return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
+
+    def layer(self, layer, x: mx.array, mask, cache) -> mx.array:
+        """A full-attention decoder layer (trunk or MTP head) as mlx-lm's DecoderLayer, at these positions."""
+        h = x + self.attention(layer.self_attn, layer.input_layernorm(x), mask, cache)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 class Target:
     """A loaded mlx-lm Qwen3.5-family model, exposed as the trunk the engine drafts against."""
 
@@ -204,12 +245,29 @@ class Target:
             logits = gather_last_axis(logits, self.text.sharding_group)
         return logits
 
-    def hidden(self, tokens: mx.array, cache) -> mx.array:
-        """Post-norm hidden states [B, T, H]; the same ops as mlx-lm's own forward."""
-        return self.body(tokens, cache)
+    def hidden(self, tokens: mx.array, cache, embeddings: Optional[mx.array] = None,
+               rope: Optional[MRoPE] = None) -> mx.array:
+        """Post-norm hidden states [B, T, H]; the same ops as mlx-lm's own forward.
 
-    def verify(self, tokens: mx.array, cache) -> Tuple[mx.array, mx.array, List[GDNTape]]:
-        """Forward [B, T] tokens keeping rollback tapes: (logits, hidden, tapes)."""
+        `embeddings` [B, T, H] replace the tokens' (an image's rows); with `rope` the full-attention
+        layers take its M-RoPE positions (one process only: images are not split across ranks).
+        """
+        if rope is None:
+            return self.body(tokens, cache, input_embeddings=embeddings)
+        body = self.body
+        h = embeddings if embeddings is not None else body.embed_tokens(tokens)
+        fa_mask = create_attention_mask(h, cache[body.fa_idx])
+        ssm_mask = create_ssm_mask(h, cache[body.ssm_idx])
+        for layer, c in zip(body.pipeline_layers, cache):
+            h = layer(h, mask=ssm_mask, cache=c) if layer.is_linear else rope.layer(layer, h, fa_mask, c)
+        return body.norm(h)
+
+    def positioned(self, rope: MRoPE) -> "PositionedTrunk":
+        """The trunk as mlx-lm's generate_step calls a model, with `rope`'s positions."""
+        return PositionedTrunk(self, rope)
+
+    def verify(self, tokens: mx.array, cache, rope: Optional[MRoPE] = None) -> Tuple[mx.array, mx.array, List[GDNTape]]:
+        """Forward [B, T] tokens keeping rollback tapes: (logits, hidden, tapes); `rope` as in `hidden`."""
         body = self.body
         h = body.embed_tokens(tokens)
         # A pipeline stage may hold no layer of a kind (mlx-lm sets its index to None then).
@@ -219,7 +277,7 @@ class Target:
         tapes = []
         for i, (layer, c) in enumerate(zip(body.pipeline_layers, cache)):
             if not layer.is_linear:
-                h = layer(h, mask=fa_mask, cache=c)
+                h = layer(h, mask=fa_mask, cache=c) if rope is None else rope.layer(layer, h, fa_mask, c)
             elif self.compile_layers and ssm_mask is None and not kernel_path(layer.linear_attn):
                 # The compiled layer takes no mask, and the Metal kernel path keeps replay tapes.
                 h, tape = self._linear(i, layer, h, c)
@@ -256,3 +314,14 @@ class Target:
         h, conv_input, states = out[0], out[1], list(out[2:])
         _advance(gdn, cache, conv_input, states[-1])
         return h, GDNTape(cache, conv_input, state, states, None)
+
+
+class PositionedTrunk:
+    """A Target at an image prompt's M-RoPE positions, called as an mlx-lm model (generate_step's)."""
+
+    def __init__(self, target: Target, rope: MRoPE):
+        self.target, self.rope = target, rope
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None) -> mx.array:
+        """Logits [B, T, V] for `inputs` (or their `input_embeddings`), consuming them into `cache`."""
+        return self.target.lm_head(self.target.hidden(inputs, cache, input_embeddings, self.rope))

@@ -55,6 +55,15 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vl_dir(tmp_path_factory):
+    """Folder of the tiny Qwen3.5-VL checkpoint (helpers/vision_models.py); skipped without mlx-vlm."""
+    pytest.importorskip("mlx_vlm", reason="images need mlx-vlm (pip install 'dyno-mlx[vision]')")
+    from helpers import vision_models
+
+    return vision_models.build(tmp_path_factory.mktemp("vl"))
+
+
+@pytest.fixture(scope="session")
 def tiny_lm(tiny_dir):
     """Loaded tiny model per config name (cached)."""
     loaded = {}

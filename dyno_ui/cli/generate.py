@@ -2,6 +2,7 @@
 
 import json
 import sys
+from functools import partial
 
 from speculative.config import SamplingParams
 from speculative.errors import DynoError
@@ -16,6 +17,9 @@ def add_command(sub) -> None:
     add_model_args(gen)
     gen.add_argument("--prompt", required=True, help="prompt text (raw unless --chat)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image the prompt is about (repeatable; a vision-language checkpoint and "
+                          "pip install 'dyno-mlx[vision]'); without --chat each goes before the prompt")
     gen.add_argument("--max-tokens", type=int, default=SamplingParams.max_tokens, metavar="N",
                      help="default: %(default)s")
     gen.add_argument("--temp", type=float, default=None, metavar="T",
@@ -44,11 +48,14 @@ def cmd_generate(args) -> int:
     if not args.prompt:
         raise DynoError("the prompt is empty")
     sampling_from(args, {})
+    images = [_read_image(p) for p in args.image]
     if options.distributed:
+        if images:
+            raise DynoError("--image is not supported with --distributed")
         return _generate_split(args, options)
     lm, spec = load_model(options.model or default_model(), **options.load_args(), draft_depth=options.draft_depth,
                           draft_vocab=options.draft_vocab, notify=notify)
-    return _run(args, lm, spec, generate)
+    return _run(args, lm, spec, generate, images)
 
 
 def _generate_split(args, options) -> int:
@@ -71,18 +78,37 @@ def _generate_split(args, options) -> int:
         member.close()
 
 
-def _run(args, lm, spec, generate) -> int:
+def _read_image(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise DynoError(f"cannot read image {path}: {e.strerror}") from None
+
+
+# How Qwen3.5's chat template renders an image part: the prompt's images go before its text so.
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _run(args, lm, spec, generate, images=()) -> int:
     """Tokenize, generate with `generate` (one process's engine or the split one), print."""
+    from speculative.loader.vision import images_for
     from speculative.stats import GenerationStats
 
     params = sampling_from(args, lm.generation_config)
+    if images and lm.vision is None:
+        raise DynoError(lm.vision_error)
+    text = IMAGE_PLACEHOLDER * len(images) + args.prompt  # what any template makes of it: images, then text
     if args.chat:
-        messages = [{"role": "user", "content": args.prompt}]
+        messages = [{"role": "user", "content": text}]
         prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     else:
-        prompt = lm.tokenizer.encode(args.prompt)
+        prompt = lm.tokenizer.encode(text)
     if not prompt:
         raise DynoError("the prompt is empty")
+    prompt, vision = images_for(lm, prompt, images)
+    if vision is not None:
+        generate = partial(generate, vision=vision)
     stats = GenerationStats(draft_depth=spec.draft_depth)
     detok = lm.tokenizer.detokenizer
     detok.reset()

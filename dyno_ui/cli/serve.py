@@ -28,6 +28,14 @@ def add_command(sub) -> None:
                    help="tokens a chat answer may think (inside <think>) before the server closes the block with "
                         "Qwen's closing phrase, for requests that set no budget (default: unlimited)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the Gradio playground at /ui")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs in requests (10 s, --max-image-bytes); off: data: URLs only")
+    p.add_argument("--max-images", type=int, default=ServeOptions.max_images, metavar="N",
+                   help="images per request (default: %(default)s)")
+    p.add_argument("--max-image-bytes", default=ServeOptions.max_image_bytes, metavar="SIZE",
+                   help="encoded size per image, e.g. 20MiB (default: %(default)s bytes)")
+    p.add_argument("--max-image-pixels", type=int, default=ServeOptions.max_image_pixels, metavar="N",
+                   help="width x height per image, before the model's own resizing (default: %(default)s)")
     p.add_argument("--prompt-cache-bytes", metavar="SIZE",
                    help="memory kept for reusing earlier prompts' states, e.g. 8GB, 512MiB, 0 for none "
                         "(default: 1/8 of what the model leaves of the recommended working set, or of RAM)")
@@ -49,7 +57,9 @@ def options_from(args) -> ServeOptions:
                         ui=not args.no_ui, prompt_cache_bytes=args.prompt_cache_bytes,
                         prompt_cache_dir=args.prompt_cache_dir, prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
                         max_batch_memory=args.max_batch_memory, max_queue=args.max_queue,
-                        default_thinking=args.default_thinking, **access_options(args))
+                        default_thinking=args.default_thinking, allow_image_urls=args.allow_image_urls,
+                        max_images=args.max_images, max_image_bytes=args.max_image_bytes,
+                        max_image_pixels=args.max_image_pixels, **access_options(args))
 
 
 def cmd_serve(args) -> int:

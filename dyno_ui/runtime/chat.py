@@ -11,10 +11,12 @@ from typing import List, Optional, Tuple
 
 from speculative.constraints import constraint_for
 from speculative.loader import LoadedModel
+from speculative.loader.vision import ProcessedImages, checked_vision, process_images
 from speculative.thinking_budget import ThinkingBudget, budget_for
 
 from .errors import bad_request
 from .outputs import Finished, TextDelta, ToolCallDelta
+from .images import request_images
 from .request import ChatRequest, Message, ToolCall
 from .served import ServedModel, chat_job, chat_prompt, checked_sampling
 from .system_turns import place_system_turns
@@ -29,6 +31,7 @@ class Prompt:
     model: str  # the served model's id
     lm: LoadedModel
     tokens: List[int]
+    images: Optional[ProcessedImages] = None  # its images, processed (the engine thread runs the tower)
 
 
 def prompt_for(served: ServedModel, request: ChatRequest) -> Prompt:
@@ -40,7 +43,16 @@ def prompt_for(served: ServedModel, request: ChatRequest) -> Prompt:
     if request.thinking is not None:
         kwargs["enable_thinking"] = request.thinking
     messages = place_system_turns(lm.tokenizer, [template_message(m) for m in request.messages])
-    return Prompt(model_id, lm, chat_prompt(lm, messages, kwargs, template_tools(request), request.prefill))
+    urls = [u for m in request.messages for u in m.images]
+    if urls:
+        with bad_request("messages"):  # before anything is fetched or decoded
+            vision = checked_vision(lm)
+    tokens = chat_prompt(lm, messages, kwargs, template_tools(request), request.prefill)
+    if not urls:
+        return Prompt(model_id, lm, tokens)
+    with bad_request("messages"):
+        tokens, images = process_images(vision, tokens, request_images(urls, served.images), served.images.limits)
+    return Prompt(model_id, lm, tokens, images)
 
 
 def job_for(served: ServedModel, request: ChatRequest, sink) -> Tuple[str, Job]:
@@ -57,7 +69,8 @@ def job_for(served: ServedModel, request: ChatRequest, sink) -> Tuple[str, Job]:
     params = checked_sampling(lm, prompt.tokens, "messages", request.sampling, served.default_max_tokens,
                               constraint, budget)
     watch = ThinkingOnly(getattr(served.worker, "metrics", None), sink)  # (no worker: a job built to be looked at)
-    job = chat_job(lm, prompt.tokens, params, list(request.stop), watch.sink, tool_calls=tool_call_stream(lm, request))
+    job = chat_job(lm, prompt.tokens, params, list(request.stop), watch.sink, tool_calls=tool_call_stream(lm, request),
+                   images=prompt.images)
     watch.job = job
     return prompt.model, job
 

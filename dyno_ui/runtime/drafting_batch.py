@@ -152,6 +152,9 @@ class DraftingBatch:
                     return False
                 if w._settled_in_queue(job) or w._stale(job):
                     continue
+                if job.images is not None:  # not yet a row of the batch: served by itself, the batch waiting
+                    w.run_alone(job)
+                    continue
             tokens = len(job.prompt) + job.params.max_tokens
             if not self.admission.fits(self.bytes.values(), tokens, w.policy.deepest):
                 self.held = job  # first come, first served: later jobs wait behind it

@@ -12,7 +12,10 @@ from speculative.config import MAX_LOGPROBS, PENALTY_CONTEXT
 from speculative.constraints import JsonSchema
 
 __all__ = ["MAX_LOGPROBS", "PENALTY_CONTEXT", "JsonSchema", "ToolCall", "Message", "Tool", "ToolChoice",
-           "Sampling", "ChatRequest", "EFFORT_BUDGETS"]
+           "Sampling", "ChatRequest", "EFFORT_BUDGETS", "IMAGE_PLACEHOLDER"]
+
+# Where an image sits in a message's text: what Qwen3.5's chat template renders for an image part.
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 # Thinking tokens for an OpenAI reasoning effort (`reasoning_effort`, `reasoning.effort`); None: unlimited.
 EFFORT_BUDGETS = {"minimal": 0, "low": 512, "medium": 2048, "high": None}
@@ -37,6 +40,7 @@ class Message:
     tool_calls: Tuple[ToolCall, ...] = ()  # an assistant's calls
     tool_call_id: Optional[str] = None  # a tool result: the call it answers
     name: Optional[str] = None  # a tool result: the tool's name, where the client gives it
+    images: Tuple[str, ...] = ()  # its images as URLs (data: or http(s)), one IMAGE_PLACEHOLDER each in content
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from speculative.errors import DynoError, one_line
 from speculative.loader import LoadedModel
 
 from .errors import ApiError
+from .images import ImagePolicy
 from .parsers import ToolCallStream
 from .request import Sampling
 from .textstream import TextAssembler, initial_channel
@@ -36,6 +37,7 @@ class ServedModel:
     loading: Optional[str] = None  # the model being loaded in its place (the Models tab), if any
     names: Tuple[str, ...] = ()  # --served-model-name: more ids requests may use for whichever model is served
     reasoning_budget: Optional[int] = None  # --reasoning-budget: thinking tokens for chat requests that set none
+    images: ImagePolicy = ImagePolicy()  # image limits, and whether image URLs are fetched (--allow-image-urls)
     _swap: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def replace(self, lm: LoadedModel) -> None:

@@ -38,6 +38,7 @@ from speculative import distributed
 from speculative.engine import generate, scored
 from speculative.events import Done, Provenance, Round, Token, TokenLogprobs
 from speculative.loader import LoadedModel
+from speculative.loader.vision import ProcessedImages, vision_input
 from speculative.backend.memory import MLX_MEMORY, Memory, budget_notice, default_batch_memory, device_memory, model_bytes
 from speculative.measure.batch_cost import DepthPolicy
 from speculative.prompt_cache.store import Checkpoint, PrefixCache, entry_from, owned, recurrent_state
@@ -93,6 +94,7 @@ class Job:
     reused: int = 0  # batched: prompt tokens taken from the prompt cache
     checkpoints: Dict[int, Checkpoint] = field(default_factory=dict)  # batched: states its entry will keep
     cuts: List[int] = field(default_factory=list)  # batched: where its prefill stops to checkpoint
+    images: Optional[ProcessedImages] = None  # the prompt's images (loader/vision.py); served alone, uncached
 
     def cancel(self) -> None:
         """Ask the worker to stop this job at the next round (or drop it if it has not started)."""
@@ -323,17 +325,22 @@ class EngineWorker:
         while (job := self.jobs.get()) is not None:
             if self._settled_in_queue(job):
                 continue
-            self.running[id(job)] = job
-            self.metrics.set_width(1)
-            try:
-                self._run(job)
-            except Exception as e:  # this request fails alone: the thread, other jobs and cache entries live on
-                log.exception("generation failed")
-                self._fail(job, failure(e))
-            del self.running[id(job)]
+            self.run_alone(job)
             self.metrics.set_width(0)
             if self._closing.is_set():
                 break
+
+    def run_alone(self, job: Job) -> None:
+        """One request served by itself: serial mode's every job, and in batched mode a prompt with images
+        (not yet a row of a batch: the batch waits while it decodes)."""
+        self.running[id(job)] = job
+        self.metrics.set_width(1)
+        try:
+            self._run(job)
+        except Exception as e:  # this request fails alone: the thread, other jobs and cache entries live on
+            log.exception("generation failed")
+            self._fail(job, failure(e))
+        del self.running[id(job)]
 
     def _stale(self, job: Job) -> bool:
         """True (and the job failed) when the request was checked against a model no longer served."""
@@ -351,12 +358,17 @@ class EngineWorker:
             spec = SpecConfig("off", spec.draft_depth)
         job.stats = GenerationStats(draft_depth=spec.draft_depth)
         split = self.lm.ranks is not None  # across mx.distributed ranks: rank 0's engine leads the others
+        if split and job.images is not None:
+            self._fail(job, "images are not supported on a model split across processes", 400)
+            return
+        # The tower runs here, on the thread that owns MLX.
+        vision = vision_input(self.lm.target, self.lm.vision, job.prompt, job.images) if job.images is not None else None
         if split:  # no prompt cache; closing the stream after a stop or cancel halts every rank
             events = distributed.generate(self.lm, job.prompt, job.params, spec)
         else:
             events = generate(self.lm, job.prompt, job.params, spec, prefix_cache=self.prefix_cache,
                               boundaries=message_starts(job.prompt, self.marker), until=lambda: self._until(job),
-                              memory=self.memory)
+                              memory=self.memory, vision=vision)
         reason = "cancelled"
         try:
             for event in events:
@@ -538,6 +550,9 @@ class EngineWorker:
             if self._settled_in_queue(job):
                 continue
             if self._stale(job):
+                continue
+            if job.images is not None:
+                self.run_alone(job)
                 continue
             p = job.params
             if p.seed is not None:  # one RNG serves the whole batch: a seed orders it, no more

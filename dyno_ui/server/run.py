@@ -9,8 +9,10 @@ import time
 from typing import List
 
 from speculative.errors import DynoError
+from speculative.loader.vision import ImageLimits
 
 from ..options import ServeOptions
+from ..runtime.images import ImagePolicy
 from ..paths import default_model
 
 log = logging.getLogger("dyno.serve")
@@ -149,7 +151,7 @@ def run(options: ServeOptions) -> int:
     lm = worker.start()  # notices were printed while loading
     served = ServedModel(id=lm.name, lm=lm, worker=worker, default_max_tokens=options.max_tokens_default,
                          created=int(time.time()), names=options.served_model_names,
-                         reasoning_budget=options.reasoning_budget)
+                         reasoning_budget=options.reasoning_budget, images=image_policy(options))
     sock = listen(options.host, options.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
@@ -177,3 +179,9 @@ def run(options: ServeOptions) -> int:
     finally:
         worker.close(timeout=5)
     return 0
+
+
+def image_policy(options: ServeOptions) -> ImagePolicy:
+    """The server's image limits and whether it fetches image URLs (--allow-image-urls, --max-image-*)."""
+    return ImagePolicy(ImageLimits(options.max_images, options.max_image_bytes, options.max_image_pixels),
+                       fetch_urls=options.allow_image_urls)

@@ -59,15 +59,18 @@ class MTPHead(nn.Module):
     def make_cache(self) -> List[KVCache]:
         return [KVCache() for _ in self.layers]
 
-    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: List[KVCache]) -> mx.array:
-        """[B, T, H] token embeddings and hiddens -> post-mtp.norm hidden [B, T, H]."""
+    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: List[KVCache], rope=None) -> mx.array:
+        """[B, T, H] token embeddings and hiddens -> post-mtp.norm hidden [B, T, H].
+
+        `rope` (target.MRoPE, a prompt with images) puts its rows at the trunk's M-RoPE positions.
+        """
         x = mx.concatenate(
             [self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1
         )  # embedding first, as the checkpoints were trained
         x = self.fc(x)
         mask = create_attention_mask(x, cache[0])
         for layer, c in zip(self.layers, cache):
-            x = layer(x, mask, c)
+            x = layer(x, mask, c) if rope is None else rope.layer(layer, x, mask, c)
         return self.norm(x)
 
 

@@ -20,6 +20,7 @@ from ..heads.precision import HeadMemory
 from .source import ModelSource, resolve
 from ..backend.memory import model_bytes, recommended_size, size_warning
 from ..target import Target
+from .vision import Vision, load_vision
 
 DENSE_TYPES = ("qwen3_5", "qwen3_5_text")
 MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -46,6 +47,8 @@ class LoadedModel:
     head_health: Optional[HeadHealth] = None  # whether the head's drafts work (heads/health.py); with a head
     notify: Optional[Callable[[str], None]] = None  # where notices after loading go too (the loader's `notify`)
     norm_decision: Optional[str] = None  # how the head's +1 norm shift was decided at load, when it was
+    vision: Optional[Vision] = None  # the vision tower and image processor, when the checkpoint has them
+    vision_error: Optional[str] = None  # why this model takes no images (no tower, no mlx-vlm), when it does not
 
     @property
     def name(self) -> str:
@@ -144,6 +147,10 @@ def load_checkpoint(path, mode: str = "auto", mtp_head: Optional[str] = None, mt
              "running them in float32")
     if family:
         lm.target = Target(model)
+        if shard is None:
+            lm.vision, lm.vision_error = load_vision(path, config)
+        else:
+            lm.vision_error = "images are not supported on a model split across processes"
     if mode != "off" and family:
         _attach_head(lm, mode, mtp_head, mtp_base, note, head_bits)
     if mode == "auto" and lm.head is None and not any("without drafts" in n for n in lm.notices):

@@ -312,7 +312,7 @@ def error_of(response: httpx.Response) -> tuple:
      "temperature"),
     ({"model": MODEL_ID, "max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
-     400, "invalid_request_error", "'image'"),
+     400, "invalid_request_error", "use a vision-language conversion"),  # dyno-tiny's tower is a placeholder
     ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK, "tools": [{"type": "web_search_20250305",
                                                                      "name": "web_search"}]},
      400, "invalid_request_error", "web_search_20250305"),

@@ -219,8 +219,11 @@ BAD = [
     ({"input": [{"type": "item_reference", "id": "msg_1"}]},
      "input.0.type: items of type 'item_reference' are not supported (only message, function_call, "
      "function_call_output, reasoning)", "input.0.type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input.0.content.0.type: only text content is supported, got 'input_image'", "input.0.content.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]},
+     "input.0.content.0.image_url: must be a data: URL (file_id images are not supported)",
+     "input.0.content.0.image_url"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]},
+     "input.0.content.0.type: only text and image content is supported, got 'input_file'", "input.0.content.0.type"),
     ({"input": [{"role": "robot", "content": "x"}]},
      "input.0.role: Input should be 'user', 'system', 'developer' or 'assistant'", "input.0.role"),
     ({"input": "x", "tools": [WEATHER, {"type": "web_search"}], "tool_choice": {"type": "web_search"}},

@@ -18,7 +18,8 @@ from ...runtime import chat
 from ...runtime.errors import ApiError
 from ...runtime.outputs import Failed, Finished, TextDelta, ToolCallDelta
 from ...runtime.request import EFFORT_BUDGETS as OPENAI_EFFORTS
-from ...runtime.request import ChatRequest, JsonSchema, Message, Sampling, Tool, ToolCall, ToolChoice
+from ...runtime.request import (IMAGE_PLACEHOLDER, ChatRequest, JsonSchema, Message, Sampling, Tool, ToolCall,
+                                ToolChoice)
 from ...runtime.served import ServedModel
 from ...runtime.worker import Job
 from ..streaming import JobStream, sse
@@ -100,16 +101,20 @@ def conversation(req: api.Conversation, messages: List[api.Message]) -> List[Mes
             out.append(_assistant(message.blocks()))
             continue
         text: List[str] = []
-        for block in message.blocks():  # tool results and text, in their order
+        images: List[str] = []
+        for block in message.blocks():  # tool results, text and images, in their order
             if isinstance(block, api.ToolResultBlock):
                 if text:
-                    out.append(Message("user", "\n\n".join(text)))
-                    text = []
+                    out.append(Message("user", "\n\n".join(text), images=tuple(images)))
+                    text, images = [], []
                 out.append(Message("tool", block.text(), tool_call_id=block.tool_use_id))
+            elif isinstance(block, api.ImageBlock):
+                text.append(IMAGE_PLACEHOLDER)
+                images.append(block.source.as_url())
             else:
                 text.append(block.text)
         if text:
-            out.append(Message("user", "\n\n".join(text)))
+            out.append(Message("user", "\n\n".join(text), images=tuple(images)))
     return out
 
 

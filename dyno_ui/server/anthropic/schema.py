@@ -69,6 +69,24 @@ class ToolResultBlock(_Request):
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
 
 
+class ImageSource(_Request):
+    type: Literal["base64", "url"]
+    media_type: Optional[str] = None  # base64: image/png, image/jpeg, image/webp or image/gif
+    data: Optional[str] = None  # base64
+    url: Optional[str] = None  # url: fetched only where the server allows it
+
+    def as_url(self) -> str:
+        """The image as a URL: base64 data as a data: URL."""
+        if self.type == "url":
+            return self.url or ""
+        return f"data:{self.media_type or ''};base64,{self.data or ''}"
+
+
+class ImageBlock(_Request):
+    type: Literal["image"] = "image"
+    source: ImageSource
+
+
 class ThinkingBlock(_Request):
     type: Literal["thinking"]
     thinking: str
@@ -80,9 +98,9 @@ class RedactedThinkingBlock(_Request):
     data: str = ""
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+Block = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
                   Field(discriminator="type")]
-BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+BLOCKS = {"user": ("text", "image", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
           "system": ("text",)}
 ROLES = ("user", "assistant", "system")
 EFFORTS = ("low", "medium", "high", "xhigh", "max")

@@ -344,6 +344,26 @@ def text_of(content: Any, where: Sequence) -> str:
     return "".join(parts)
 
 
+def user_content(content: Any, where: Sequence) -> Tuple[str, Tuple[str, ...]]:
+    """A user message's content: its text, an image placeholder where each input_image is, and the images' URLs."""
+    if not isinstance(content, list):
+        return text_of(content, where), ()
+    text, images = [], []
+    for j, raw in enumerate(content):
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        if kind == "input_image":
+            url = raw.get("image_url")
+            if not isinstance(url, str):
+                raise _bad((*where, j, "image_url"), "must be a data: URL (file_id images are not supported)")
+            text.append(neutral.IMAGE_PLACEHOLDER)
+            images.append(url)
+        elif kind in ("input_text", "output_text"):
+            text.append(_checked(TextPart, raw, (*where, j)).text)
+        else:
+            raise _bad((*where, j, "type"), f"only text and image content is supported, got {kind!r}")
+    return "".join(text), tuple(images)
+
+
 def messages(instructions: Optional[str], items: List[Item]) -> Tuple[neutral.Message, ...]:
     """The conversation: `instructions` and the system or developer messages before the first other
     item as one system message (Qwen templates take a single system message, first); consecutive
@@ -366,8 +386,9 @@ def messages(instructions: Optional[str], items: List[Item]) -> Tuple[neutral.Me
             system.append(text_of(item.content, where))
         elif isinstance(item, MessageItem) and item.role != "assistant":
             flush()
-            out.append(neutral.Message("system" if item.role == "developer" else item.role,
-                                       text_of(item.content, where)))
+            content, images = user_content(item.content, where) if item.role == "user" else (
+                text_of(item.content, where), ())
+            out.append(neutral.Message("system" if item.role == "developer" else item.role, content, images=images))
         elif isinstance(item, FunctionCallOutputItem):
             flush()
             out.append(neutral.Message("tool", text_of(item.output, ("input", i, "output")),

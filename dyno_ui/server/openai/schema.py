@@ -8,7 +8,7 @@ fields OpenAI defines that Dyno does not implement are refused by name (REFUSED_
 import json
 import time
 import uuid
-from typing import Any, Callable, ClassVar, Dict, List, Literal, Optional, Tuple, Union
+from typing import Annotated, Any, Callable, ClassVar, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -136,6 +136,19 @@ class TextPart(_Request):
     text: str
 
 
+class ImageUrl(_Request):
+    url: str  # a data: URL (data:image/png;base64,...); http(s) only where the server fetches them
+    detail: Optional[str] = None  # taken, not used: the image processor sizes the image itself
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
 class FunctionCall(_Request):
     name: str
     arguments: Union[str, Dict[str, Any]] = "{}"  # a JSON string (OpenAI); an object is taken too
@@ -163,20 +176,33 @@ class ToolCall(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Optional[Union[str, List[TextPart]]] = None
+    content: Optional[Union[str, List[ContentPart]]] = None
     reasoning_content: Optional[str] = None
     tool_calls: Optional[List[ToolCall]] = None  # assistant
     tool_call_id: Optional[str] = None  # tool
     name: Optional[str] = None  # tool (older clients name the function here)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_video(cls, data):
+        """A video part is named in its 400 (pydantic's union error would not say why)."""
+        if isinstance(data, dict) and isinstance(data.get("content"), list):
+            for part in data["content"]:
+                if isinstance(part, dict) and part.get("type") in ("video_url", "video", "input_video"):
+                    raise ValueError("video input is not supported; send images (image_url parts)")
+        return data
+
     def message(self) -> neutral.Message:
         """The message with its content as one string, `developer` as `system` (newer OpenAI clients
         send it; Qwen templates know only system), an assistant's reasoning and tool calls, a tool
         result's call id and name."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        parts = [] if isinstance(self.content, str) else self.content or []
+        content = self.content if isinstance(self.content, str) else "".join(
+            p.text if isinstance(p, TextPart) else neutral.IMAGE_PLACEHOLDER for p in parts)
         assistant, tool = self.role == "assistant", self.role == "tool"
         return neutral.Message(
             role="system" if self.role == "developer" else self.role, content=content,
+            images=tuple(p.image_url.url for p in parts if isinstance(p, ImagePart)),
             reasoning=self.reasoning_content if assistant else None,
             tool_calls=tuple(c.call() for c in self.tool_calls or ()) if assistant else (),
             tool_call_id=(self.tool_call_id or None) if tool else None, name=(self.name or None) if tool else None)
