@@ -389,12 +389,12 @@ class BatchSpeculator:
             if row.params.greedy:
                 target = log_softmax(rows)
                 n, t = greedy_accept(drafts[b], target)
-            elif row.keys is not None:  # seeded: plain mlx-lm's own draws, the drafts kept while they agree
-                target = mx.exp(warp(rows, row.params))
-                n, t = agreeing_accept(drafts[b], row._seeded_tokens(rows))
             else:
                 target = mx.exp(warp(rows, row.params))
-                n, t = lossless_accept(drafts[b], draft_probs[b], target, row._split())
+                if row.keys is not None:  # seeded: plain mlx-lm's own draws, the drafts kept while they agree
+                    n, t = agreeing_accept(drafts[b], row._seeded_tokens(rows))
+                else:
+                    n, t = lossless_accept(drafts[b], draft_probs[b], target, row._split())
             if check:
                 confident.append(confident_rows(target, k, logprobs=row.params.greedy))
             n_acc.append(n)

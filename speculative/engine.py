@@ -200,9 +200,6 @@ class PlainRun:
         and checkpointed at each cut; generate_step takes the rest. With `vision`, generate_step
         drives the trunk at the image prompt's positions, from its embeddings (no cuts then).
         """
-        if vision is not None:
-            yield from self._run_vision(prompt, resume, vision)
-            return
         p = self.params
         if p.seed is not None:
             mx.random.seed(p.seed)
@@ -211,6 +208,13 @@ class PlainRun:
         self.cache = resume.trunk_cache if resume else make_prompt_cache(self.model)
         self.checkpoints = dict(resume.checkpoints) if resume else {}
         self.fed = list(prompt)
+        model, embeddings = self.model, None
+        if vision is not None:  # the trunk at the images' positions; the rows past them, after `resume`, are text
+            model, cuts = self.target.positioned(vision.rope), ()
+            n = vision.embeddings.shape[1]
+            if start < n and len(prompt) != n:
+                raise DynoError("a prompt with images resumes only past its images")
+            embeddings = vision.embeddings[0, start:] if start < n else None
         cuts = [c for c in cuts if start < c < len(prompt)]
         for s, e in segments(start, cuts[-1] if cuts else start, cuts, self.prefill_step):
             self.model(mx.array(prompt[s:e])[None], cache=self.cache)
@@ -220,30 +224,8 @@ class PlainRun:
                 self.checkpoints[e] = Checkpoint(e, owned(recurrent_state(self.cache)))
         start = cuts[-1] if cuts else start
         for token, logprobs in generate_step(
-            mx.array(prompt[start:]), self.model, max_tokens=-1, sampler=sampler,
+            mx.array(prompt[start:]), model, max_tokens=-1, sampler=sampler,
             logits_processors=with_prefix(processors_for(p), prompt[:start]),
-            prompt_cache=self.cache, prefill_step_size=self.prefill_step,
-        ):
-            self.fed.append(int(token))
-            yield Token(int(token), Provenance.PLAIN, *scored(logprobs, [int(token)], p.logprobs))
-
-    def _run_vision(self, prompt: List[int], resume: Optional[Resume], vision: VisionInput) -> Iterator[Token]:
-        """generate_step over a prompt with images: the trunk at their M-RoPE positions, from their
-        embeddings (the rows past them, after `resume`, are text)."""
-        p = self.params
-        if p.seed is not None:
-            mx.random.seed(p.seed)
-        start = len(resume) if resume else 0
-        self.cache = resume.trunk_cache if resume else make_prompt_cache(self.model)
-        self.checkpoints = {}
-        self.fed = list(prompt)
-        n = vision.embeddings.shape[1]
-        embeddings = vision.embeddings[0, start:] if start < n else None
-        if embeddings is not None and len(prompt) != n:
-            raise DynoError("a prompt with images resumes only past its images")
-        for token, logprobs in generate_step(
-            mx.array(prompt[start:]), self.target.positioned(vision.rope), max_tokens=-1,
-            sampler=plain_sampler(p, self.vocab), logits_processors=with_prefix(processors_for(p), prompt[:start]),
             prompt_cache=self.cache, prefill_step_size=self.prefill_step, input_embeddings=embeddings,
         ):
             self.fed.append(int(token))
@@ -458,12 +440,12 @@ class Speculator:
         if self.params.greedy:
             target = log_softmax(logits)
             n_acc, nxt = greedy_accept(drafts, target)
-        elif self.keys is not None:
-            target = mx.exp(warp(logits, self.params))  # read only by details and the health check
-            n_acc, nxt = agreeing_accept(drafts, self._seeded_tokens(logits))
         else:
-            target = mx.exp(warp(logits, self.params))
-            n_acc, nxt = lossless_accept(drafts, draft_probs, target, self._split())
+            target = mx.exp(warp(logits, self.params))  # seeded, read only by details and the health check
+            if self.keys is not None:  # plain mlx-lm's own draws, the drafts kept while they agree
+                n_acc, nxt = agreeing_accept(drafts, self._seeded_tokens(logits))
+            else:
+                n_acc, nxt = lossless_accept(drafts, draft_probs, target, self._split())
         # Gathers from the rows above, started now and read after the round's sync; no token depends on them.
         checks = self._checks(drafts, draft_probs, target, n_acc, nxt) if self.details else None
         if checks is not None:

@@ -461,20 +461,30 @@ def test_a_system_message_inside_messages_is_a_system_turn_with_drafting_on(serv
     assert [(b.type, b.thinking) for b in out.content] == [("thinking", reasoning)]
 
 
-def test_the_next_turn_after_a_system_message_reads_the_cached_prefix(server, client):
-    lm = server.served.lm
-    turn1 = ASK + [{"role": "system", "content": REMINDER}]
-    first = client.messages.create(model=MODEL_ID, max_tokens=9, messages=turn1, thinking=NO_THINKING,
-                                   extra_body=GREEDY)
-    prompt1 = template(lm, turn1)
-    assert first.content[0].text == detokenize(lm, plain_greedy(lm, prompt1, 9))
-    turn2 = turn1 + [{"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "A queue."}]
-    prompt2 = template(lm, turn2)
+def first_turn(client, lm, turn, prompt) -> str:
+    """`turn` through the Anthropic client, 9 greedy tokens: plain greedy decoding of `prompt`; returns the text."""
+    out = client.messages.create(model=MODEL_ID, max_tokens=9, messages=turn, thinking=NO_THINKING, extra_body=GREEDY)
+    assert out.content[0].text == detokenize(lm, plain_greedy(lm, prompt, 9))
+    return out.content[0].text
+
+
+def next_turn_reuses(client, lm, turn, prompt1, prompt2) -> None:
+    """The turn after `first_turn`: `prompt2` extends turn 1's prompt and answer, its text is plain greedy
+    decoding of `prompt2`, and the prompt cache gives back all of turn 1 but its last token."""
     assert prompt2[: len(prompt1) + 9] == prompt1 + plain_greedy(lm, prompt1, 9)
-    second = client.messages.create(model=MODEL_ID, max_tokens=5, messages=turn2, thinking=NO_THINKING,
+    second = client.messages.create(model=MODEL_ID, max_tokens=5, messages=turn, thinking=NO_THINKING,
                                     extra_body=GREEDY)
     assert second.content[0].text == split_think(detokenize(lm, plain_greedy(lm, prompt2, 5)))[0]
     assert second.usage.cache_read_input_tokens == len(prompt1) + 9 - 1
+
+
+def test_the_next_turn_after_a_system_message_reads_the_cached_prefix(server, client):
+    lm = server.served.lm
+    turn1 = ASK + [{"role": "system", "content": REMINDER}]
+    prompt1 = template(lm, turn1)
+    answer = first_turn(client, lm, turn1, prompt1)
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "A queue."}]
+    next_turn_reuses(client, lm, turn2, prompt1, template(lm, turn2))
 
 
 def test_effort_and_adaptive_thinking_set_the_thinking_budget(server):
@@ -564,19 +574,12 @@ def test_a_template_without_system_turns_gets_them_folded_into_user_turns(foldin
     turn1 = ASK + [{"role": "system", "content": REMINDER}]
     folded1 = [{"role": "user", "content": ASK[0]["content"] + "\n\n" + REMINDER}]
     prompt1 = template(lm, folded1)
-    first = client.messages.create(model=MODEL_ID, max_tokens=9, messages=turn1, thinking=NO_THINKING,
-                                   extra_body=GREEDY)
-    assert first.content[0].text == detokenize(lm, plain_greedy(lm, prompt1, 9))
-    answer = first.content[0].text
+    answer = first_turn(client, lm, turn1, prompt1)
     turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "system", "content": "Be brief."},
                      {"role": "user", "content": "A queue."}]
     folded2 = folded1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Be brief.\n\nA queue."}]
     prompt2 = template(lm, folded2)
-    assert prompt2[: len(prompt1) + 9] == prompt1 + plain_greedy(lm, prompt1, 9)
-    second = client.messages.create(model=MODEL_ID, max_tokens=5, messages=turn2, thinking=NO_THINKING,
-                                    extra_body=GREEDY)
-    assert second.content[0].text == split_think(detokenize(lm, plain_greedy(lm, prompt2, 5)))[0]
-    assert second.usage.cache_read_input_tokens == len(prompt1) + 9 - 1
+    next_turn_reuses(client, lm, turn2, prompt1, prompt2)
     ending = turn2[:4]  # a system message after the assistant's, nothing after it: a user turn of its own
     assert client.messages.count_tokens(model=MODEL_ID, messages=ending, thinking=NO_THINKING).input_tokens == len(
         template(lm, folded1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Be brief."}]))
