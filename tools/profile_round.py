@@ -77,8 +77,8 @@ class _TargetProxy:
     def __getattr__(self, name):
         return getattr(self._target, name)
 
-    def verify(self, tokens, cache):
-        logits, hidden, tapes = self._target.verify(tokens, cache)
+    def verify(self, tokens, cache, rope=None):
+        logits, hidden, tapes = self._target.verify(tokens, cache, rope)
         if self._owner._phase == "verify":
             self._owner._wait([logits, hidden])  # what the sync needs; the tapes are rollback's
             self._owner._mark("acceptance")
@@ -151,12 +151,12 @@ class Profiled(engine.Speculator):
             self._mark("emit")
         return out
 
-    def _head(self, tokens, hidden):
+    def _head(self, tokens, hidden, embeddings=None):
         if not (self.barriers and self._phase == "acceptance"):
-            return super()._head(tokens, hidden)  # prefill's rows and the draft recursion
+            return super()._head(tokens, hidden, embeddings)  # prefill's rows and the draft recursion
         self._wait([tokens])  # the acceptance rule's outcome, which the rows' tokens are made of
         self._mark("head rows")
-        out = super()._head(tokens, hidden)
+        out = super()._head(tokens, hidden, embeddings)
         self._wait([out] + [c.state for c in self.head_cache])
         return out
 
