@@ -47,9 +47,9 @@ class OneRankHead(Speculator):
         self.ranks = lm.ranks
         super().__init__(lm, *args, **kw)
 
-    def _head(self, tokens, hidden):
+    def _head(self, tokens, hidden, embeddings=None):
         if self.ranks.rank == 0:
-            return super()._head(tokens, hidden)
+            return super()._head(tokens, hidden, embeddings)
         # No head here, but the hidden it would read must still be evaluated now: rank 0 evaluates
         # it (through the head) in every prefill chunk, and the pipeline's all_gather inside it is
         # a collective every rank must enter in the same order.
