@@ -1,5 +1,6 @@
 """Batched drafting: B rows, each its own request, share one head pass per draft step and one trunk
-pass per round; acceptance, rollback, RNG and stopping stay per row.
+pass per round (round.Rounds, the round the single-row Speculator runs too); acceptance, rollback,
+RNG, stopping and a pinned depth stay per row (row.Row).
 
 A row is prefilled alone at its own length (the single-row Speculator's prefill, prefix reuse
 included) and then joins: its attention caches become rows of mlx-lm BatchKVCaches (left padding,
@@ -20,22 +21,20 @@ rewound, the RNG keys restored), so it never changes a token.
 from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, dynamic_roll
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from .rollback import GDNTape, replay_rows, restore, snapshot
+from .rollback import restore, snapshot
+from .round.rounds import Rounds
+from .round.row import Row
 from .config import SamplingParams
-from .draft_vocab.head import draft_lm_head, greedy_token
 from .engine import PREFILL_STEP, Speculator
 from .errors import DynoError
 from .events import Provenance, Round, Token
 from .loader import LoadedModel
 from .backend.memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Resume, ShiftedKVCache
-from .sampling import log_softmax, warp
-from .verify import agreeing_accept, confident_rows, greedy_accept, lossless_accept
+from .round.sampling import log_softmax
 
-# Left padding every row of a cache shares is dropped once it reaches this many slots.
-COMPACT_AT = 256
 # Depth-0 rounds owe the head this many rows at most before it runs over them in one pass: the
 # trunk hiddens they hold stay small, and drafting, when it resumes, starts from a short catch-up.
 HEAD_BACKLOG = 32
@@ -75,52 +74,6 @@ def keep_rows(batch: List, indices: List[int]) -> None:
         c.filter(index)
 
 
-def trim_rows(cache: BatchKVCache, fed: int, kept: List[int]) -> None:
-    """Of the last `fed` slots keep row i's first kept[i]: the slots it rejected are rolled right
-    into its left padding (masked, never zeroed); its offset (RoPE position) drops by as many."""
-    drop = [fed - k for k in kept]
-    cache.trim(min(drop))  # the part every row drops
-    extra = [d - min(drop) for d in drop]
-    if not any(extra):  # every row dropped alike: its padding is as it was
-        return
-    # As BatchKVCache.finalize: roll each row by its own count.
-    shift = mx.array(extra)
-    cache.keys = dynamic_roll(cache.keys, shift[:, None], axis=2)
-    cache.values = dynamic_roll(cache.values, shift[:, None], axis=2)
-    cache.offset = cache.offset - shift
-    cache.left_padding = cache.left_padding + shift
-    shared = mx.min(cache.left_padding).item()
-    if shared >= COMPACT_AT:  # padding every row has: drop it, as BatchKVCache.filter does
-        cache.keys, cache.values = cache.keys[..., shared:, :], cache.values[..., shared:, :]
-        cache._idx -= shared
-        cache.left_padding = cache.left_padding - shared
-
-
-def commit_rows(tape: GDNTape, consumed: List[int]) -> None:
-    """GDNTape.commit per row: row i's conv window and state after its first consumed[i] tokens."""
-    if len(set(consumed)) == 1:  # (every row kept every token included: then nothing to do)
-        tape.commit(consumed[0])
-        return
-    rows = mx.arange(len(consumed))
-    c = mx.array(consumed)
-    window = tape.cache[0].shape[1]  # K-1: the pass left its last rows there
-    # After consuming c tokens the window is rows [c, c + K-1) of conv_input.
-    tape.cache[0] = tape.conv_input[rows[:, None], c[:, None] + mx.arange(window)[None]]
-    if tape.states is not None:
-        states = mx.stack([tape.state_before] + tape.states, axis=1)  # [B, T+1, Hv, Dv, Dk]
-        tape.cache[1] = states[rows, c]
-    else:  # the Metal kernel kept only the final state: replay each row's kept steps, in one call
-        tape.cache[1] = replay_rows(tape.replay, tape.state_before, tape.cache[1], consumed)
-
-
-def rollback_rows(attention: List, tapes: List[GDNTape], fed: int, kept: List[int]) -> None:
-    """After a pass of `fed` tokens per row, keep row i's first kept[i] in every cache given."""
-    for c in attention:
-        trim_rows(c, fed, kept)
-    for tape in tapes:
-        commit_rows(tape, kept)
-
-
 # ---- the speculator ----
 
 class RowEvents(NamedTuple):
@@ -152,12 +105,13 @@ class QueuedDrafts(NamedTuple):
     keys: List[mx.array]
 
 
-class BatchSpeculator:
-    """Rows of speculative generation drafted and verified together; rows join and leave between rounds.
+class BatchSpeculator(Rounds):
+    """Rows of speculative generation drafted and verified together (round.Rounds, on batch caches);
+    rows join and leave between rounds.
 
-    Each row is a single-row Speculator that holds the row's own state (prompt, generated tokens,
-    sampling parameters, processors, RNG key); the caches, pending tokens and head hiddens of all
-    rows live here, row b of each batch array belonging to self.ids[b].
+    Each request's own state is its Row (prompt, generated tokens, sampling parameters, processors,
+    RNG, pinned depth); the caches, pending tokens and head hiddens of all rows live here, row b of
+    each batch array belonging to self.ids[b].
     """
 
     def __init__(self, lm: LoadedModel, prefill_step: int = PREFILL_STEP, draft_vocab: Optional[int] = None,
@@ -166,13 +120,12 @@ class BatchSpeculator:
             raise DynoError("batched drafting needs an MTP head")
         if lm.ranks is not None:
             raise DynoError("batched drafting runs in one process")
-        self.lm, self.target, self.head = lm, lm.target, lm.head
-        self.prefill_step, self.draft_vocab = prefill_step, draft_vocab
-        self.draft_lm_head = draft_lm_head(lm, draft_vocab)
-        self.memory = memory  # rows clear MLX's buffer cache after each prefill chunk (Speculator.prefill)
+        super().__init__(lm, draft_vocab, memory)  # rows clear MLX's buffer cache after each prefill chunk
+        self.lm, self.prefill_step, self.draft_vocab = lm, prefill_step, draft_vocab
         self.clearing = memory.per_rounds()  # and the batch every 512 rounds, as BatchGenerator
         self.ids: List[Hashable] = []  # row b's request
-        self.rows: List[Speculator] = []  # row b's own state
+        self.rows: List[Row] = []  # row b's own state
+        self.health = lm.head_health
         self.trunk_cache: List = []  # batch caches, one per trunk layer
         self.head_cache: List = []  # batch caches, one per head layer
         self.pending: Optional[mx.array] = None  # [B] each row's emitted token the trunk has not seen
@@ -181,6 +134,7 @@ class BatchSpeculator:
         # per round ([B, 1] tokens, [B, 1, H] trunk hiddens), row b's pair = (token after position p, h_p).
         self.backlog: List[Tuple[mx.array, mx.array]] = []
         self.ahead: Optional[PlainPass] = None  # the next plain round's pass, queued by this one
+        self.last_hidden: Optional[mx.array] = None  # the latest joiner's trunk hidden at its prompt's end
         self.queued: Optional[QueuedDrafts] = None  # the next drafting round's drafts, queued by this one
 
     def __len__(self) -> int:
@@ -190,31 +144,34 @@ class BatchSpeculator:
         return row_id in self.ids
 
     def join(self, row_id: Hashable, prompt: Sequence[int], params: SamplingParams,
-             resume: Optional[Resume] = None, cuts: Sequence[int] = ()) -> RowEvents:
+             resume: Optional[Resume] = None, cuts: Sequence[int] = (), depth: Optional[int] = None) -> RowEvents:
         """Prefill `prompt` alone (after `resume`'s prefix), then add the row to the batch; returns its
-        first token. A row that ends at its first token never joins."""
+        first token. A row that ends at its first token never joins. `depth` pins the row's draft depth
+        (0: it never drafts), whatever the rounds' depth is; None: it drafts at the rounds' depth."""
         if row_id in self.ids:
             raise DynoError(f"row {row_id!r} is already in the batch")
         if len(prompt) == 0:
             raise DynoError("the prompt is empty")
-        row = Speculator(self.lm, params, 1, self.prefill_step, self.draft_vocab, memory=self.memory)
+        alone = Speculator(self.lm, params, 1, self.prefill_step, self.draft_vocab, memory=self.memory)
+        row = alone.row
+        row.depth = depth
         row.prompt = list(prompt)
-        row.generated = [row.prefill(row.prompt, resume, cuts).item()]
-        out = RowEvents([Token(row.generated[0], Provenance.PLAIN, row.scores[0])], self._finish(row, 1))
+        row.generated = [alone.prefill(row.prompt, resume, cuts).item()]
+        self.last_hidden = alone.last_pass.hidden  # [1, 1, H] the trunk's at the prompt's last token
+        out = RowEvents([Token(row.generated[0], Provenance.PLAIN, row.scores[0])], row.finish(1))
         if out.finish is not None:
             return out
         self._take_back()
         self._catch_up_head()  # the rows already here owe head rows; the joiner owes none
-        trunk, head = as_batch(row.trunk_cache), as_batch(row.head_cache)
-        row.trunk_cache = row.head_cache = None  # the batch owns them now
+        trunk, head = as_batch(alone.trunk_cache), as_batch(alone.head_cache)
         if self.ids:
             extend(self.trunk_cache, trunk)
             extend(self.head_cache, head)
-            self.pending = mx.concatenate([self.pending, row.pending])
-            self.head_hidden = mx.concatenate([self.head_hidden, row.head_hidden])
+            self.pending = mx.concatenate([self.pending, alone.pending])
+            self.head_hidden = mx.concatenate([self.head_hidden, alone.head_hidden])
         else:
             self.trunk_cache, self.head_cache = trunk, head
-            self.pending, self.head_hidden = row.pending, row.head_hidden
+            self.pending, self.head_hidden = alone.pending, alone.head_hidden
         self.ids.append(row_id)
         self.rows.append(row)
         return out
@@ -243,13 +200,9 @@ class BatchSpeculator:
         if self.backlog:
             tokens = mx.concatenate([t for t, _ in self.backlog], axis=1)
             hidden = mx.concatenate([h for _, h in self.backlog], axis=1)
-            self.head_hidden = self.head(self.target.embed(tokens), hidden, self.head_cache)[:, -1:]
+            self.head_hidden = self._head(tokens, hidden)[:, -1:]
             mx.async_eval(self.head_hidden)
             self.backlog = []
-
-    def _all_greedy(self) -> bool:
-        """True when every row is greedy without logits processors: its pick is the argmax alone."""
-        return all(r.params.greedy and not r.processors for r in self.rows)
 
     def _plain_pass(self, ahead: int = 0) -> PlainPass:
         """Queue depth 0's pass: the trunk over each row's pending token (mlx-lm's own forward), each
@@ -258,13 +211,13 @@ class BatchSpeculator:
         caches, keys = snapshot(self.trunk_cache), [r.key for r in self.rows]
         hidden = self.target.hidden(self.pending[:, None], self.trunk_cache)  # [B, 1, H]
         logits = self.target.lm_head(hidden)
-        if self._all_greedy():  # one argmax for every row
+        if all(r.plain_greedy for r in self.rows):  # one argmax for every row
             nxt, processed = mx.argmax(log_softmax(logits[:, 0]), axis=-1).astype(self.pending.dtype), logits
         else:
             nxt, processed = [], []
             for b, row in enumerate(self.rows):
-                rows = row._process(logits[b])
-                nxt.append(row._pick_target(rows, ahead)[0].astype(self.pending.dtype))  # argmax, or a draw with the row's key
+                rows = row.process(logits[b])
+                nxt.append(row.pick_target(rows, ahead)[0].astype(self.pending.dtype))  # argmax, or a draw with the row's key
                 processed.append(rows)
             nxt = mx.stack(nxt)
         return PlainPass(nxt, hidden, processed, caches, keys)
@@ -276,8 +229,7 @@ class BatchSpeculator:
             restore(self.trunk_cache, self.ahead.caches)
             keys, self.ahead = self.ahead.keys, None
         elif self.queued is not None:
-            for c in self.head_cache:
-                c.trim(c.size() - self.queued.head_start)
+            self._trim_head(self.queued.head_start)
             keys, self.queued = self.queued.keys, None
         else:
             return
@@ -287,7 +239,7 @@ class BatchSpeculator:
     def _queue_drafts(self, k: int) -> QueuedDrafts:
         """Draft the next round at depth k and start computing the drafts."""
         start, keys = self.head_cache[0].size(), [r.key for r in self.rows]
-        drafts = self.draft(k)
+        drafts = self.draft_rows(k)
         mx.async_eval(drafts[0])
         return QueuedDrafts(k, drafts, start, keys)
 
@@ -322,121 +274,54 @@ class BatchSpeculator:
         if then == 0:
             self._look_ahead(1)
         mx.eval(now.nxt)  # the round's one host sync
-        out = self._emit(0, [1] * len(self.rows), [[] for _ in self.rows], now.nxt.tolist(), now.processed)
+        out = self._emit([0] * len(self.rows), [1] * len(self.rows), [[] for _ in self.rows], now.nxt.tolist(), now.processed)
         if then > 0:  # drafts follow the emitted tokens (a row's processors read them)
             self._queue_next(then)
         return out
 
+    def depths(self, depth: int) -> List[int]:
+        """Each row's draft depth in a round at `depth`: its pinned one, else `depth`."""
+        return [depth if r.depth is None else r.depth for r in self.rows]
+
+    def _deepest(self, depth: int) -> int:
+        """How deep a round at `depth` drafts: as deep as its deepest row (0 with no rows)."""
+        return max(self.depths(depth), default=0)
+
     def step(self, depth: int, then: Optional[int] = None) -> Dict[Hashable, RowEvents]:
-        """One round for every row at draft depth `depth`: draft, verify, accept and roll back per row;
-        then the next round's first work is queued at depth `then` (default: `depth` again).
+        """One round for every row: draft, verify, accept and roll back per row (round.Rounds.verify_round),
+        each row at its own depth (pinned, else `depth`); then the next round's first work is queued
+        at `then` (default: `depth` again).
 
         Returns each row's Round and tokens; rows that reached EOS or max_tokens have left.
-        Depth 0 is a plain round: each row's next token, no Round event."""
+        A round where no row drafts is a plain round: each row's next token, no Round event."""
         if not self.ids:
             return {}
         self.clearing.add()
         then = depth if then is None else then
-        if depth == 0:
-            return self._plain_round(then)
-        k, B = depth, len(self.ids)
+        depths = self.depths(depth)
+        k = max(depths)
+        if k == 0:
+            return self._plain_round(self._deepest(then))
         if self.queued is None or self.queued.depth != k:
             self._take_back()
             self._catch_up_head()
             self.queued = self._queue_drafts(k)
-        (drafts, draft_probs), head_start = self.queued.drafts, self.queued.head_start  # [B, k], per row [k, V] or None
+        (drafts, draft_probs), head_start = self.queued.drafts, self.queued.head_start
         self.queued = None
-        logits, hidden, tapes = self.target.verify(
-            mx.concatenate([self.pending[:, None], drafts], axis=1), self.trunk_cache)
-        mx.async_eval(logits, hidden)
-        health = self.lm.head_health
-        n_acc, nxt, processed, confident = self._accept(logits, drafts, draft_probs, health is not None and health.checking)
-        if confident is not None:  # read with the round's sync (Round.confident)
-            mx.async_eval(confident)
-        # Head rows for every position a row may keep (as Speculator.step): cut the draft
-        # recursion's rows, then row i pairs trunk hidden i with the token after it.
-        for c in self.head_cache:
-            c.trim(c.size() - head_start)
-        follow = mx.where(mx.arange(k + 1)[None] < n_acc[:, None],
-                          mx.concatenate([drafts, nxt[:, None]], axis=1), nxt[:, None])
-        head_rows = self.head(self.target.embed(follow), hidden, self.head_cache)
-        mx.async_eval(head_rows)  # queued with the round's sync, as in the serial round
-        mx.eval(n_acc, nxt, drafts)  # the round's one host sync
-        kept = [a + 1 for a in n_acc.tolist()]
-        rollback_rows([c for c in self.trunk_cache if isinstance(c, BatchKVCache)], tapes, k + 1, kept)
-        rollback_rows(self.head_cache, [], k + 1, kept)
-        self.head_hidden = head_rows[mx.arange(B), n_acc][:, None]
-        self.pending = nxt
-        confident = confident.tolist() if confident is not None else [()] * B
-        out = self._emit(k, kept, drafts.tolist(), nxt.tolist(), processed, confident)
-        self._queue_next(then)  # computes while the host hands these tokens out
-        return out
+        out = self.verify_round(drafts, draft_probs, head_start, depths)
+        events = self._emit(depths, [a + 1 for a in out.accepted], out.drafts, out.nxt, out.processed, out.confident)
+        self._queue_next(self._deepest(then))  # computes while the host hands these tokens out
+        return events
 
-    def _accept(self, logits: mx.array, drafts: mx.array, draft_probs: List,
-                check: bool = False) -> Tuple[mx.array, mx.array, List, Optional[mx.array]]:
-        """Each row's accepted count and next token by its own rule and key: ([B], [B], the
-        processed [k+1, V] logits per row, and when `check` the [B, k] Round.confident flags, else
-        None). Greedy rows without processors share one pass."""
-        k = drafts.shape[1]
-        if self._all_greedy():  # every row at once
-            target = log_softmax(logits)
-            n_acc, nxt = greedy_accept(drafts, target)
-            confident = confident_rows(target, k, logprobs=True) if check else None
-            return n_acc, nxt.astype(drafts.dtype), logits, confident
-        n_acc, nxt, processed, confident = [], [], [], []
-        for b, row in enumerate(self.rows):
-            rows = row._process(logits[b], drafts[b])  # the processors the row's drafts saw
-            if row.params.greedy:
-                target = log_softmax(rows)
-                n, t = greedy_accept(drafts[b], target)
-            else:
-                target = mx.exp(warp(rows, row.params))
-                if row.keys is not None:  # seeded: plain mlx-lm's own draws, the drafts kept while they agree
-                    n, t = agreeing_accept(drafts[b], row._seeded_tokens(rows))
-                else:
-                    n, t = lossless_accept(drafts[b], draft_probs[b], target, row._split())
-            if check:
-                confident.append(confident_rows(target, k, logprobs=row.params.greedy))
-            n_acc.append(n)
-            nxt.append(t.astype(drafts.dtype))
-            processed.append(rows)
-        return mx.stack(n_acc), mx.stack(nxt), processed, mx.stack(confident) if check else None
-
-    def draft(self, k: int):
-        """k drafts per row by one head pass per step: ([B, k] tokens, per row [k, V] draft probs or None)."""
-        g = self.head_hidden  # [B, 1, H]
-        histories = [r._history() if r.processors else None for r in self.rows]
-        plain = [r.params.greedy and h is None for r, h in zip(self.rows, histories)]
-        steps, probs = [], [[] for _ in self.rows]
-        for j in range(k):
-            greedy = greedy_token(self.draft_lm_head, g[:, -1]) if any(plain) else None  # [B]
-            logits = self.draft_lm_head(g[:, -1]) if not all(plain) else None  # [B, V]
-            picks = []
-            for b, row in enumerate(self.rows):
-                if plain[b]:
-                    picks.append(greedy[b : b + 1])
-                    continue
-                lb = logits[b : b + 1]
-                if histories[b] is not None:  # draft j follows the committed tokens and drafts 0..j-1
-                    lb = row.processors.row(lb, histories[b], mx.concatenate([s[b : b + 1] for s in steps]) if steps else None)
-                d, q = row._pick(lb, j)
-                picks.append(d)
-                probs[b].append(q)
-            d = mx.concatenate(picks) if len(picks) > 1 else picks[0]
-            steps.append(d)
-            if j + 1 < k:  # recurse: each row's draft with the head's own output, position + 1
-                g = self.head(self.target.embed(d[:, None]), g, self.head_cache)
-        drafts = mx.stack(steps, axis=1)
-        return drafts, [None if r.params.greedy else mx.concatenate(p) for r, p in zip(self.rows, probs)]
-
-    def _emit(self, k: int, kept: List[int], drafts: List[List[int]], nxt: List[int], processed,
+    def _emit(self, depths: List[int], kept: List[int], drafts: List[List[int]], nxt: List[int], processed,
               confident: Optional[List] = None) -> Dict[Hashable, RowEvents]:
-        """Each row's Round and tokens, cut at its EOS or max_tokens; finished rows leave."""
+        """Each row's Round (when it drafted) and tokens, cut at its EOS or max_tokens; finished rows leave."""
         out, staying = {}, []
         for b, (row_id, row) in enumerate(zip(self.ids, self.rows)):
+            k = depths[b]
             accepted = drafts[b][: kept[b] - 1]
             tokens = accepted + [nxt[b]]
-            scores = row._scored(processed[b], tokens)
+            scores = row.scored(processed[b], tokens)
             last = Provenance.PLAIN if k == 0 else Provenance.BONUS if len(accepted) == k else Provenance.CORRECTION
             provenance = [Provenance.DRAFT] * len(accepted) + [last]
             flags = tuple(confident[b]) if confident else ()
@@ -446,7 +331,7 @@ class BatchSpeculator:
                 row.generated.append(t)
                 events.append(Token(t, p, s))
                 sent += 1
-                finish = self._finish(row, len(row.generated))
+                finish = row.finish(len(row.generated))
                 if finish is not None:
                     break
             row.generated += tokens[sent:]  # committed past the cut: the row leaves anyway
@@ -455,12 +340,3 @@ class BatchSpeculator:
                 staying.append(b)
         self._keep(staying)
         return out
-
-    @staticmethod
-    def _finish(row: Speculator, n: int) -> Optional[str]:
-        """Why a row ends after its n-th token, or None."""
-        if row.generated[n - 1] in row.eos:
-            return "stop"
-        if n >= row.params.max_tokens:
-            return "length"
-        return None

@@ -1,11 +1,11 @@
 """Generation: plain decoding through mlx-lm, or MTP draft -> verify -> accept -> rollback.
 
 Both paths are generators of events (Token, Round, Done); text, streaming and statistics are
-layers above. The speculative round is `step`; prefill, stopping, logits processors and prefix
-reuse live outside it.
+layers above. The speculative round is round.Rounds.verify_round, which a Speculator runs for its
+one row (`step`) and batched.BatchSpeculator for many; prefill, stopping and prefix reuse live
+outside it.
 """
 
-import random
 import time
 from functools import partial
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -15,18 +15,19 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from .rollback import GDNTape, rollback
+from .round.rounds import Rounds
+from .round.row import Row
+from .round.scoring import scored
 from .config import SamplingParams, SpecConfig
-from .draft_vocab.head import draft_lm_head, greedy_token
 from .errors import DynoError
-from .events import Done, Provenance, Round, RoundDetails, Token, TokenLogprobs
+from .events import Done, Provenance, Round, RoundDetails, Token
 from .heads.health import gives_up, watch
 from .loader import LoadedModel
 from .loader.vision import VisionInput
 from .backend.memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
-from .processors import PrefixProcessors, processors_for, with_prefix
-from .sampling import KeyChain, draft_params, draw, log_softmax, plain_sampler, seeded_pick, warp
-from .verify import agreeing_accept, confident_rows, greedy_accept, lossless_accept
+from .round.processors import processors_for, with_prefix
+from .round.sampling import plain_sampler
 
 Event = Union[Token, Round, Done]
 PREFILL_STEP = 2048  # mlx-lm's generate_step default; the same chunking keeps caches identical
@@ -146,31 +147,6 @@ def segments(start: int, stop: int, cuts: Sequence[int], step: int) -> Iterator[
             s = e
 
 
-def scored(logprobs: Optional[mx.array], tokens: Sequence[int], top: Optional[int]) -> List[Optional[TokenLogprobs]]:
-    """Each emitted token's log-probability and its `top` alternatives (None each when `top` is None,
-    without touching MLX: no work and no host sync when logprobs are off).
-
-    `logprobs` is [T, V] (or [V] for one token), T >= len(tokens): row i the log-softmax of the
-    processed logits token i was drawn from (after the logits processors, before the warp). One
-    host sync for all of them.
-    """
-    if top is None or not tokens:
-        return [None] * len(tokens)
-    rows = logprobs.reshape(-1, logprobs.shape[-1])[: len(tokens)].astype(mx.float32)
-    chosen = mx.take_along_axis(rows, mx.array(list(tokens))[:, None], axis=-1)[:, 0]
-    if top:
-        ids = mx.argpartition(-rows, kth=top - 1, axis=-1)[:, :top]
-        values = mx.take_along_axis(rows, ids, axis=-1)
-        order = mx.argsort(-values, axis=-1)  # most likely first
-        ids, values = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
-        mx.eval(chosen, ids, values)
-        pairs = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    else:
-        mx.eval(chosen)
-        pairs = [()] * len(tokens)
-    return [TokenLogprobs(c, p) for c, p in zip(chosen.tolist(), pairs)]
-
-
 def plain_after(spec_run: "Speculator", lm: LoadedModel, params: SamplingParams, prefill_step: int,
                 emitted: int) -> Tuple["PlainRun", Iterator[Token]]:
     """A PlainRun (and its tokens) continuing `spec_run`'s generation after its first `emitted` tokens."""
@@ -253,38 +229,30 @@ class LastPass(NamedTuple):
     before: Optional[mx.array] = None  # [1, 1, H] trunk hidden of the token before its first one
 
 
-class Speculator:
-    """State of one speculative generation: trunk and head caches, the pending token, the RNG."""
+def _on_row(name: str, doc: str) -> property:
+    """A Speculator attribute that is its one Row's."""
+    return property(lambda self: getattr(self.row, name), lambda self, v: setattr(self.row, name, v), doc=doc)
+
+
+class Speculator(Rounds):
+    """One speculative generation: the one-row case of the round (round.Rounds), on the request's own
+    mlx-lm caches; its prefill, its prefix reuse (`settle`) and its events (`run`)."""
 
     def __init__(self, lm: LoadedModel, params: SamplingParams, depth: int, prefill_step: int,
                  draft_vocab: Optional[int] = None, details: bool = False, memory: Memory = MLX_MEMORY):
-        self.target, self.head = lm.target, lm.head
-        self.memory = memory  # MLX's buffer cache cleared after each prefill chunk and every 256 tokens
-        self.eos = set(lm.eos_token_ids)
-        self.draft_lm_head = draft_lm_head(lm, draft_vocab)  # the drafts' projection: all rows or a subset
-        self.params, self.depth, self.prefill_step = params, depth, prefill_step
-        self.draft_params = draft_params(params, lm.vocab_size)  # q's warp (any q is exact)
+        super().__init__(lm, draft_vocab, memory)  # memory: cleared after each prefill chunk and every 256 tokens
+        self.depth, self.prefill_step = depth, prefill_step
+        self.row = Row(params, lm.eos_token_ids, lm.vocab_size, depth)
+        self.rows = [self.row]
         self.trunk_cache = self.target.make_cache()
         self.head_cache = self.head.make_cache()
-        self.processors = PrefixProcessors(params)
         # The round's outcome as Python values; split across processes, rank 0's for every rank.
         self.outcome = lm.ranks.outcome if lm.ranks is not None else local_outcome
-        seed = params.seed if params.seed is not None else random.getrandbits(32)
-        self.key = mx.random.key(seed)
-        # A seeded sampled request draws as plain mlx-lm does: token i with the seed's i-th key, drafts
-        # with their positions' keys, kept while they equal the trunk's draws (sampling.seeded_pick).
-        # Unseeded requests keep the lossless min(1, p/q) rule, which accepts more.
-        self.keys = KeyChain(params.seed) if params.seed is not None and not params.greedy else None
-        self.prompt: List[int] = []
-        self.generated: List[int] = []  # tokens emitted so far (the last one is still uncached)
-        self.head_hidden: Optional[mx.array] = None  # head output of the last committed row: drafts start here
-        self.pending: Optional[mx.array] = None  # the token emitted but not yet fed to the trunk
+        self.head_hidden: Optional[mx.array] = None  # [1, 1, H] head output of the last committed row
+        self.pending: Optional[mx.array] = None  # [1] the token emitted but not yet fed to the trunk
         self.last_pass: Optional[LastPass] = None
         self.queued: Optional[Tuple[mx.array, Optional[mx.array]]] = None  # the next round's drafts, computing
         self.head_start = 0  # head cache rows before the queued drafts' recursion
-        self.checkpoints: Dict[int, Checkpoint] = {}  # inherited from the resumed entry, and taken at cuts
-        # Per emitted token of the latest prefill or step, its TokenLogprobs (None when not asked for).
-        self.scores: List = []
         self.details = details  # also read each draft's p, q and acceptance chance (RoundDetails)
         self.drafted: List[int] = []  # the latest step's drafts, as verified
         self.round_details: Optional[RoundDetails] = None  # the latest step's, when `details`
@@ -295,38 +263,25 @@ class Speculator:
         self.vision: Optional[VisionInput] = None  # the prompt's images, when it has some
         self.rope = None  # their M-RoPE positions (target.MRoPE) for trunk and head; None: mlx-lm's RoPE
 
+    params = _on_row("params", "the request's sampling parameters")
+    eos = _on_row("eos", "the end-of-sequence token ids")
+    prompt = _on_row("prompt", "the prompt's token ids")
+    generated = _on_row("generated", "tokens emitted so far (the last one is still uncached)")
+    processors = _on_row("processors", "the request's logits processors")
+    key = _on_row("key", "the unseeded draws' RNG key")
+    keys = _on_row("keys", "a seeded sampled request's KeyChain, else None")
+    scores = _on_row("scores", "the latest prefill's or step's TokenLogprobs, one per emitted token")
+    checkpoints = _on_row("checkpoints", "inherited from the resumed entry, and taken at cuts")
+
+    # The row's rules, by the names drafters that subclass this one call.
     def _split(self) -> mx.array:
-        self.key, sub = mx.random.split(self.key)
-        return sub
-
-    def _head(self, tokens: mx.array, hidden: mx.array, embeddings: Optional[mx.array] = None) -> mx.array:
-        """Head rows for [T] tokens with their [1, T, H] hiddens; returns post-norm [1, T, H].
-
-        `embeddings` replace the tokens' (an image's rows are the tower's, as vLLM feeds its head).
-        """
-        embeddings = self.target.embed(tokens[None]) if embeddings is None else embeddings
-        return self.head(embeddings, hidden, self.head_cache, rope=self.rope)
+        return self.row.split()
 
     def _pick(self, logits: mx.array, ahead: int = 0):
-        """(token, draft distribution) for a [1, V] logits row drafting the token `ahead` places past the
-        ones generated; greedy drafts need no distribution."""
-        if self.params.greedy:
-            return mx.argmax(logits, axis=-1), None
-        if self.keys is not None:  # p's own warp and the position's key: the draft the trunk would draw
-            key = self.keys[len(self.generated) + ahead]
-            return seeded_pick(logits, self.params, key), mx.exp(warp(logits, self.params))
-        logprobs = warp(logits, self.draft_params)
-        return draw(logprobs, self._split()), mx.exp(logprobs)
+        return self.row.pick(logits, ahead)
 
     def _history(self) -> mx.array:
-        """What the logits processors see of the committed tokens (prompt, then generated)."""
-        return self.processors.tail(self.prompt, self.generated)
-
-    def _process(self, rows: mx.array, drafts: Optional[mx.array] = None) -> mx.array:
-        """Logits processors on [T, V] rows, row i following the committed tokens and drafts[:i]."""
-        if not self.processors:
-            return rows
-        return self.processors.rows(rows, self._history(), drafts)
+        return self.row.history()
 
     def prefill(self, prompt: List[int], resume: Optional[Resume] = None, cuts: Sequence[int] = (),
                 vision: Optional[VisionInput] = None):
@@ -341,7 +296,7 @@ class Speculator:
             raise DynoError("a prompt with images is not resumed from the prefix cache")
         embeds = vision.embeddings if vision is not None else None
         rows = (lambda s, e: embeds[:, s:e]) if embeds is not None else (lambda s, e: None)
-        tokens = mx.array(prompt)
+        tokens = mx.array(prompt)[None]
         n = len(prompt)
         start = 0
         self.checkpoints = {}
@@ -350,160 +305,64 @@ class Speculator:
             self.trunk_cache, self.head_cache = resume.trunk_cache, resume.head_cache
             self.checkpoints = dict(resume.checkpoints)
             if resume.hidden is not None:
-                self._head(tokens[start : start + 1], resume.hidden)  # the row it left open
+                self._head(tokens[:, start : start + 1], resume.hidden)  # the row it left open
         hidden = resume.hidden if resume is not None else None
         for s, e in segments(start, n - 1, cuts, self.prefill_step):
-            hidden = self.target.hidden(tokens[None, s:e], self.trunk_cache, rows(s, e), self.rope)
-            self._head(tokens[s + 1 : e + 1], hidden, rows(s + 1, e + 1))  # row p = (t_{p+1}, h_p)
+            hidden = self.target.hidden(tokens[:, s:e], self.trunk_cache, rows(s, e), self.rope)
+            self._head(tokens[:, s + 1 : e + 1], hidden, rows(s + 1, e + 1))  # row p = (t_{p+1}, h_p)
             mx.eval([c.state for c in self.trunk_cache + self.head_cache])
             self.memory.clear_cache()  # after each prefill chunk, as mlx-lm's generate_step
             if e in cuts:
                 self.checkpoints[e] = Checkpoint(e, owned(recurrent_state(self.trunk_cache)), mx.array(hidden[:, -1:]))
         before = hidden[:, -1:] if hidden is not None else None  # h_{n-2}, when this run computed it
-        hidden = self.target.hidden(tokens[None, n - 1 :], self.trunk_cache, rows(n - 1, n), self.rope)
-        logits = self._process(self.target.lm_head(hidden[:, -1]))
-        first = self._pick_target(logits)
+        hidden = self.target.hidden(tokens[:, n - 1 :], self.trunk_cache, rows(n - 1, n), self.rope)
+        logits = self.row.process(self.target.lm_head(hidden[:, -1]))
+        first = self.row.pick_target(logits)
         first_id = self.outcome(first)[0]
         first = mx.array([first_id], dtype=first.dtype)
-        self.scores = self._scored(logits, [first_id])
-        self.head_hidden = self._head(first, hidden)[:, -1:]  # row n-1 drafts position n+1
+        self.scores = self.row.scored(logits, [first_id])
+        self.head_hidden = self._head(first[None], hidden)[:, -1:]  # row n-1 drafts position n+1
         self.pending = first
         self.last_pass = LastPass([], hidden[:, -1:], 1, before)
         return first
 
-    def _scored(self, logits: mx.array, tokens: List[int]):
-        """TokenLogprobs of `tokens`, row i of the processed `logits` for token i (None each when off)."""
-        return scored(log_softmax(logits) if self.params.logprobs is not None else None, tokens,
-                      self.params.logprobs)
-
-    def _pick_target(self, logits: mx.array, ahead: int = 0) -> mx.array:
-        """The trunk's token for a [1, V] logits row, `ahead` places past the ones generated: argmax
-        when greedy, else a draw from the warp (seeded: with that position's key)."""
-        if self.params.greedy:
-            return mx.argmax(log_softmax(logits), axis=-1)
-        if self.keys is not None:
-            return seeded_pick(logits, self.params, self.keys[len(self.generated) + ahead])
-        return draw(warp(logits, self.params), self._split())
-
-    def _seeded_tokens(self, rows: mx.array) -> mx.array:
-        """The trunk's own draws for processed verify rows [k + 1, V]: row i is the token i past the
-        ones generated, drawn with that position's key (one call per row: sampling.seeded_pick)."""
-        return mx.concatenate([self._pick_target(rows[i : i + 1], i) for i in range(rows.shape[0])])
-
     def draft(self, k: int):
         """k head drafts by recursion: ([k] tokens, [k, V] draft probs or None when greedy)."""
-        drafts, draft_probs = [], []
-        g = self.head_hidden  # head post-norm output of the last committed row
-        history = self._history() if self.processors else None
-        for j in range(k):
-            if history is None and self.params.greedy:  # the pick needs no full-width row
-                d, q = greedy_token(self.draft_lm_head, g[:, -1]), None
-            else:
-                logits = self.draft_lm_head(g[:, -1])
-                if history is not None:  # draft j follows the committed tokens and drafts 0..j-1
-                    logits = self.processors.row(logits, history, mx.concatenate(drafts) if drafts else None)
-                d, q = self._pick(logits, j)  # draft j proposes the token j past the pending one
-            drafts.append(d)
-            draft_probs.append(q)
-            if j + 1 < k:  # recurse: the draft token with the head's own output, position + 1
-                g = self._head(d, g)
-        probs = None if self.params.greedy else mx.concatenate(draft_probs)
-        return mx.concatenate(drafts), probs
-
-    def _trim_head(self, rows: int) -> None:
-        """Cut the head's caches back to their first `rows` rows."""
-        for c in self.head_cache:
-            c.trim(c.offset - rows)
+        drafts, probs = self.draft_rows(k)
+        return drafts[0], probs[0]
 
     def queue_drafts(self):
         """Draft the next round and start computing it: while the caller handles this round's
         tokens, and while Python builds the verify graph that reads the drafts."""
-        self.head_start = self.head_cache[0].offset  # the draft recursion's rows start here
+        self.head_start = self.head_cache[0].size()  # the draft recursion's rows start here
         self.queued = self.draft(self.depth)
         mx.async_eval(self.queued[0])
         return self.queued
 
+    def _sync(self, nxt: mx.array, n_acc: mx.array, drafts: mx.array):
+        next_id, a, drafted = self.outcome(nxt, n_acc, drafts[0])  # across ranks: rank 0's
+        return [next_id], [a], [drafted]
+
     def step(self):
-        """Verify the queued drafts in one trunk pass, keep the accepted prefix, roll back, and
-        queue the next round's drafts.
+        """The round for this one row: verify the queued drafts in one trunk pass, keep the accepted
+        prefix, roll back (round.Rounds.verify_round), and queue the next round's drafts.
 
         Returns (accepted draft tokens, next token); next is the correction or the bonus.
         """
-        k = self.depth
         drafts, draft_probs = self.queued or self.queue_drafts()
         self.queued = None
-        logits, hidden, tapes = self.target.verify(
-            mx.concatenate([self.pending, drafts])[None], self.trunk_cache, self.rope
-        )
-        mx.async_eval(logits, hidden)  # the trunk computes while Python builds the rest of the round
-        logits = self._process(logits[0], drafts)  # the same processors the drafts saw, per row
-        if self.params.greedy:
-            target = log_softmax(logits)
-            n_acc, nxt = greedy_accept(drafts, target)
-        else:
-            target = mx.exp(warp(logits, self.params))  # seeded, read only by details and the health check
-            if self.keys is not None:  # plain mlx-lm's own draws, the drafts kept while they agree
-                n_acc, nxt = agreeing_accept(drafts, self._seeded_tokens(logits))
-            else:
-                n_acc, nxt = lossless_accept(drafts, draft_probs, target, self._split())
-        # Gathers from the rows above, started now and read after the round's sync; no token depends on them.
-        checks = self._checks(drafts, draft_probs, target, n_acc, nxt) if self.details else None
-        if checks is not None:
-            mx.async_eval(*checks)
-        confident = None
-        if self.health is not None and self.health.checking:
-            confident = confident_rows(target, k, logprobs=self.params.greedy)
-            mx.async_eval(confident)
-        # The head's rows for every position the round may keep, queued before the sync: row i
-        # pairs trunk hidden i with the token after it, drafts[i] below n_acc and nxt at n_acc.
-        # Causal attention keeps the rows past n_acc out of those before; the sync cuts them.
-        self._trim_head(self.head_start)  # the draft recursion's rows
-        nxt = nxt.reshape(1).astype(drafts.dtype)
-        follow = mx.where(mx.arange(k + 1) < n_acc, mx.concatenate([drafts, nxt]), nxt)
-        rows = self._head(follow, hidden)
-        mx.async_eval(rows)
-        # The one host sync of the round (across ranks, its one collective: rank 0's outcome for
-        # all), taken while the head rows compute.
-        next_id, a, drafted = self.outcome(nxt, n_acc, drafts)
-        accepted = drafted[:a]
-        self.drafted = drafted
-        self.round_details = self._round_details(checks) if checks is not None else None
-        self.confident = tuple(confident.tolist()) if confident is not None else ()
-        self.scores = self._scored(logits, accepted + [next_id])  # rows 0..a: the tokens kept
-        rollback(self.trunk_cache, tapes, fed=k + 1, consumed=a + 1)
-        self._trim_head(self.head_start + a + 1)
-        self.head_hidden = rows[:, a : a + 1]  # the last kept row drafts the next round
-        self.pending = mx.array([next_id], dtype=drafts.dtype)
+        out = self.verify_round(drafts[None], [draft_probs], self.head_start, [self.depth])
+        a, next_id = out.accepted[0], out.nxt[0]
+        self.drafted = out.drafts[0]
+        accepted = self.drafted[:a]
+        self.round_details, self.confident = out.details[0], out.confident[0]
+        self.scores = self.row.scored(out.processed[0], accepted + [next_id])  # rows 0..a: the tokens kept
         last = self.last_pass
-        self.last_pass = LastPass(tapes, hidden, a + 1, last.hidden[:, last.committed - 1 : last.committed])
+        self.last_pass = LastPass(out.tapes, out.hidden, a + 1, last.hidden[:, last.committed - 1 : last.committed])
         self.generated += accepted + [next_id]
         if len(self.generated) < self.params.max_tokens and self.eos.isdisjoint(accepted + [next_id]):
             self.queue_drafts()  # not when this round ends the generation: no draft goes unverified
         return accepted, next_id
-
-    def _checks(self, drafts: mx.array, draft_probs: Optional[mx.array], target: mx.array,
-                n_acc: mx.array, nxt: mx.array) -> Tuple[mx.array, ...]:
-        """(p, q, accept, next_p) of the drafts as lazy arrays: `target` is the greedy rule's log-softmax
-        rows or the lossless rule's p rows, `draft_probs` its q rows (None when greedy)."""
-        k = drafts.shape[0]
-        idx = drafts[:, None]
-        if self.params.greedy:
-            rows = target.astype(mx.float32)
-            p = mx.exp(mx.take_along_axis(rows[:k], idx, axis=-1)[:, 0])
-            accept = (mx.argmax(target[:k], axis=-1) == drafts).astype(mx.float32)
-            q = mx.zeros_like(p)  # no draft distribution: reported as None
-            next_p = mx.exp(rows[n_acc, nxt.reshape(())])
-        else:
-            p = mx.take_along_axis(target[:k], idx, axis=-1)[:, 0]
-            q = mx.take_along_axis(draft_probs, idx, axis=-1)[:, 0]
-            accept = mx.minimum(1.0, p / mx.maximum(q, 1e-30))
-            next_p = target[n_acc, nxt.reshape(())]
-        return p, q, accept, next_p
-
-    def _round_details(self, checks: Tuple[mx.array, ...]) -> RoundDetails:
-        p, q, accept, next_p = (x.tolist() for x in checks)
-        q = [None] * len(p) if self.params.greedy else q
-        return RoundDetails(tuple(p), tuple(q), tuple(accept), next_p)
 
     def run(self, prompt: List[int], resume: Optional[Resume] = None, cuts: Sequence[int] = (),
             vision: Optional[VisionInput] = None) -> Iterator[Union[Token, Round]]:

@@ -1,16 +1,17 @@
 """Rolling back the hybrid cache after verification.
 
-Attention KV caches (trunk and head) trim by offset. Gated DeltaNet layers hold a conv window
+Attention KV caches (trunk and head) trim through mlx-lm's cache protocol (is_trimmable, trim, size);
+a batch cache whose rows keep different counts rolls each row's rejected slots into its left padding. Gated DeltaNet layers hold a conv window
 (the last K-1 rows of the qkv input) and an fp32 recurrent state that cannot be trimmed; the
 verify pass leaves a GDNTape per layer from which the state after any prefix is recovered
 without a second trunk forward.
 """
 
 from dataclasses import dataclass
-from typing import Any, List, NamedTuple, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, dynamic_roll
 from mlx_lm.models.gated_delta import gated_delta_update
 
 
@@ -82,28 +83,75 @@ def replay_rows(replay: Replay, state_before: mx.array, end_state: mx.array, con
 
 
 def snapshot(cache: List[Any]) -> list:
-    """What `restore` needs to rewind `cache` to now: the write index of attention caches (a batch
-    cache's offsets are per row, its index is shared), references to the GDN arrays (MLX arrays are
+    """What `restore` needs to rewind `cache` to now: the size of attention caches (a batch cache's
+    offsets are per row, its size is shared), references to the GDN arrays (MLX arrays are
     immutable, so references are a copy)."""
-    return [(c._idx if isinstance(c, BatchKVCache) else c.offset,) if hasattr(c, "offset") else (c[0], c[1])
-            for c in cache]
+    return [(c.size(),) if c.is_trimmable() else (c[0], c[1]) for c in cache]
 
 
 def restore(cache: List[Any], snap: list) -> None:
     """Rewind `cache` to the `snapshot` taken from it (attention caches only ever grew since)."""
     for c, s in zip(cache, snap):
-        if hasattr(c, "offset"):
-            c.trim((c._idx if isinstance(c, BatchKVCache) else c.offset) - s[0])
+        if c.is_trimmable():
+            c.trim(c.size() - s[0])
         else:
             c[0], c[1] = s
 
 
-def rollback(trunk_cache: List[Any], tapes: List[GDNTape], fed: int, consumed: int) -> None:
-    """After verifying `fed` tokens keep only the first `consumed` of them in every trunk cache."""
-    if consumed == fed:
-        return  # everything the verify pass wrote is committed
-    for c in trunk_cache:
+def rollback(cache: List[Any], tapes: List[GDNTape], fed: int, consumed: Union[int, Sequence[int]]) -> None:
+    """After a pass of `fed` tokens per row keep only the first `consumed` of them (per row when a
+    list: row i its first consumed[i]) in every cache of `cache` and on every tape."""
+    kept = [consumed] if isinstance(consumed, int) else list(consumed)
+    if len(set(kept)) == 1:  # every row alike: mlx-lm's trim, and one commit per tape
+        if kept[0] == fed:
+            return  # everything the pass wrote is committed
+        for c in cache:
+            if c.is_trimmable():
+                c.trim(fed - kept[0])
+        for tape in tapes:
+            tape.commit(kept[0])
+        return
+    for c in cache:
         if c.is_trimmable():
-            c.trim(fed - consumed)
+            trim_rows(c, fed, kept)
     for tape in tapes:
-        tape.commit(consumed)
+        commit_rows(tape, kept)
+
+
+# Left padding every row of a batch cache shares is dropped once it reaches this many slots.
+COMPACT_AT = 256
+
+
+def trim_rows(cache: BatchKVCache, fed: int, kept: List[int]) -> None:
+    """Of the last `fed` slots keep row i's first kept[i]: the slots it rejected are rolled right
+    into its left padding (masked, never zeroed); its offset (RoPE position) drops by as many."""
+    drop = [fed - k for k in kept]
+    cache.trim(min(drop))  # the part every row drops
+    extra = [d - min(drop) for d in drop]
+    if not any(extra):  # every row dropped alike: its padding is as it was
+        return
+    # As BatchKVCache.finalize: roll each row by its own count.
+    shift = mx.array(extra)
+    cache.keys = dynamic_roll(cache.keys, shift[:, None], axis=2)
+    cache.values = dynamic_roll(cache.values, shift[:, None], axis=2)
+    cache.offset = cache.offset - shift
+    cache.left_padding = cache.left_padding + shift
+    if mx.min(cache.left_padding).item() >= COMPACT_AT:  # padding every row has: filter drops it
+        cache.filter(mx.arange(cache.keys.shape[0]))
+
+
+def commit_rows(tape: GDNTape, consumed: List[int]) -> None:
+    """GDNTape.commit per row: row i's conv window and state after its first consumed[i] tokens."""
+    if len(set(consumed)) == 1:  # (every row kept every token included: then nothing to do)
+        tape.commit(consumed[0])
+        return
+    rows = mx.arange(len(consumed))
+    c = mx.array(consumed)
+    window = tape.cache[0].shape[1]  # K-1: the pass left its last rows there
+    # After consuming c tokens the window is rows [c, c + K-1) of conv_input.
+    tape.cache[0] = tape.conv_input[rows[:, None], c[:, None] + mx.arange(window)[None]]
+    if tape.states is not None:
+        states = mx.stack([tape.state_before] + tape.states, axis=1)  # [B, T+1, Hv, Dv, Dk]
+        tape.cache[1] = states[rows, c]
+    else:  # the Metal kernel kept only the final state: replay each row's kept steps, in one call
+        tape.cache[1] = replay_rows(tape.replay, tape.state_before, tape.cache[1], consumed)

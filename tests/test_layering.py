@@ -1,7 +1,7 @@
 """Imports point one way: cli -> server -> {APIs} -> runtime -> speculative, playground -> runtime.
 
 Every import in a module counts, including those inside functions (a lazy import is still an arrow).
-Inside speculative/ the arrows form no cycle, and there are fewer of them than the flat layout's 68.
+Inside speculative/ the arrows form no cycle, and there are no more of them than UNITS (the flat layout had 68).
 """
 
 import ast
@@ -186,11 +186,19 @@ def unit(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def test_the_engine_has_fewer_arrows_than_its_flat_layout():
-    """27 flat modules had 68 arrows between them; the units by role (a subpackage is one unit, its
-    inner arrows its own business) must keep fewer, whatever modules are added inside them."""
+FLAT_LAYOUT = 68  # the arrows between 27 flat modules, before units by role
+# The arrows between the units today: 67 while the serial and batched rounds were two loops beside
+# the acceptance rules, the sampling warp and the processors; 64 since round/ holds the one round,
+# the rows' rules it runs and the depth policy (issue 37). A change may only keep or lower it.
+UNITS = 64
+
+
+def test_the_engine_has_no_more_arrows_than_its_units_by_role():
+    """The units by role (a subpackage is one unit, its inner arrows its own business) keep at most
+    UNITS arrows between them, fewer than the flat layout's, whatever modules are added inside them."""
     arrows = {(unit(a), unit(b)) for a, b in engine_arrows() if unit(a) != unit(b)}
-    assert len(arrows) < 68, f"{len(arrows)} arrows between the units of speculative/:\n" + "\n".join(
+    assert UNITS < FLAT_LAYOUT
+    assert len(arrows) <= UNITS, f"{len(arrows)} arrows between the units of speculative/:\n" + "\n".join(
         f"  {a} -> {b}" for a, b in sorted(arrows))
 
 

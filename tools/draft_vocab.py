@@ -113,7 +113,7 @@ def scored_rows(lm, prompt, continuation):
 
 def rankings(lm, sizes, budgets, extra) -> None:
     from speculative.config import SamplingParams
-    from speculative.sampling import warp
+    from speculative.round.sampling import warp
 
     vocab = lm.target.args.vocab_size
     orders = {"ids": vocab_rank.id_order(vocab)}
@@ -157,7 +157,7 @@ def rankings(lm, sizes, budgets, extra) -> None:
 
 def accepted(draft, target, p, params) -> float:
     """Summed position-1 acceptance of `draft` rows against the trunk's: greedy when p is None."""
-    from speculative.sampling import warp
+    from speculative.round.sampling import warp
 
     if p is None:
         return (mx.argmax(draft, axis=-1) == mx.argmax(target, axis=-1)).astype(mx.float32).sum().item()

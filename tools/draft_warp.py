@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative.measure.bench import run_mlx_lm  # noqa: E402
 from speculative.config import SamplingParams  # noqa: E402
 from speculative.loader import load_checkpoint  # noqa: E402
-from speculative.sampling import warp  # noqa: E402
+from speculative.round.sampling import warp  # noqa: E402
 from speculative.measure.suites import SUITES, encode  # noqa: E402
 
 

@@ -126,7 +126,7 @@ def teacher_forced(model: str, max_tokens: int = 200) -> None:
     from speculative.measure.suites import SUITES, encode
     from speculative.measure.bench import run_mlx_lm
     from speculative.config import SamplingParams
-    from speculative.sampling import warp
+    from speculative.round.sampling import warp
 
     models = {bits: load_checkpoint(model, mode="mtp", head_bits=bits) for bits in HEAD_BITS}
     lm = models[16]

@@ -25,8 +25,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative.config import SamplingParams  # noqa: E402
 from speculative.measure.cost_model import cost_model, interleaved  # noqa: E402
 from speculative.draft_vocab.head import draft_lm_head, greedy_token  # noqa: E402
-from speculative.sampling import draft_params, draw, log_softmax, warp  # noqa: E402
-from speculative.verify import greedy_accept, lossless_accept  # noqa: E402
+from speculative.round.sampling import draft_params, draw, log_softmax, warp  # noqa: E402
+from speculative.round.verify import greedy_accept, lossless_accept  # noqa: E402
 
 SAMPLED = SamplingParams(temperature=0.6, top_p=0.95, top_k=20)
 

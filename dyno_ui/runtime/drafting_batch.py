@@ -7,8 +7,8 @@ after its prompt is kept there for later requests (the state a row reaches by th
 batch drops a row's caches when it finishes). Rows leave at EOS, max_tokens, a stop string, a cancel,
 or an error of their own (its processors or its output raising): that row fails, the others go on.
 Each round's depth is the worker's DepthPolicy's for the rows in it (pinned by --draft-depth N, else
-chosen by measured cost, 0 included), and the policy learns acceptance and round times from the
-rounds it sees. The rounds also feed the head's health (speculative/heads/health.py); a head found
+chosen by measured cost, 0 included), except for a row whose request sets its own (pinned_depth),
+which keeps that; the policy learns acceptance and round times from the rounds it sees. The rounds also feed the head's health (speculative/heads/health.py); a head found
 collapsed under --speculative auto gets plain rounds only from then on.
 """
 
@@ -22,8 +22,8 @@ import mlx.core as mx
 from speculative.batched import BatchSpeculator, RowEvents
 from speculative.events import Round, Token
 from speculative.heads.health import gives_up, watch
-from speculative.measure.batch_cost import RoundTimer
-from speculative.prompt_cache.store import entry_from
+from speculative.round.depth_policy import RoundTimer
+from speculative.prompt_cache.store import entry_from, own_rows
 from speculative.stats import GenerationStats
 
 from .admission import Admission, RowMemory
@@ -34,13 +34,12 @@ from .outputs import Traced
 log = logging.getLogger("dyno.serve")
 
 
-def _own(cache):
-    """An extracted row's attention layer with arrays of its own, cut to its offset (a slice of the
-    batch's would keep the whole batch's alive); the prompt cache copies recurrent layers itself."""
-    if getattr(cache, "keys", None) is not None:
-        cache.keys = mx.array(cache.keys[..., : cache.offset, :])
-        cache.values = mx.array(cache.values[..., : cache.offset, :])
-    return cache
+def pinned_depth(job) -> Optional[int]:
+    """The draft depth a request sets for itself (the playground's mode and depth; 0 when it asks for
+    no speculation), which its row keeps whatever the policy picks for the others; None: the policy's."""
+    if job.spec is None:
+        return None
+    return 0 if job.spec.mode == "off" else job.spec.draft_depth
 
 
 class GuardedProcessors:
@@ -156,11 +155,12 @@ class DraftingBatch:
                     w.run_alone(job)
                     continue
             tokens = len(job.prompt) + job.params.max_tokens
-            if not self.admission.fits(self.bytes.values(), tokens, w.policy.deepest):
+            deepest = max(w.policy.deepest, pinned_depth(job) or 0)
+            if not self.admission.fits(self.bytes.values(), tokens, deepest):
                 self.held = job  # first come, first served: later jobs wait behind it
                 return True
             self.held = None
-            self._join(job, self.admission.memory.row(tokens, w.policy.deepest))
+            self._join(job, self.admission.memory.row(tokens, deepest))
         return True
 
     def _join(self, job, nbytes: int) -> None:
@@ -176,7 +176,7 @@ class DraftingBatch:
             at = len(resume) if resume else 0
             cuts = w.prefix_cache.plan(len(job.prompt), message_starts(job.prompt, w.marker), at)
             job.reused = at
-            out = self.batch.join(row, job.prompt, job.params, resume, cuts)
+            out = self.batch.join(row, job.prompt, job.params, resume, cuts, depth=pinned_depth(job))
         except Exception as e:  # this request alone is refused; the batch goes on
             log.exception("cannot add a request to the batch")
             w._fail(job, failure(e))
@@ -198,7 +198,7 @@ class DraftingBatch:
             return
         try:
             n = len(job.prompt)
-            trunk = [_own(c.extract(b)) for c in self.batch.trunk_cache]
+            trunk = [own_rows(c.extract(b)) for c in self.batch.trunk_cache]
             entry = entry_from(job.prompt, trunk, speculator.checkpoints)
             # The head's rows 0..n-1 (its prefill ended with the first token's row): kept one short,
             # with the trunk's last hidden, so that a later request drafts as this one did. A row
@@ -207,8 +207,8 @@ class DraftingBatch:
             if all(h.offset == n for h in head):
                 for h in head:
                     h.trim(1)
-                entry.head_cache = [_own(h) for h in head]
-                entry.last_hidden = speculator.last_pass.hidden
+                entry.head_cache = [own_rows(h) for h in head]
+                entry.last_hidden = self.batch.last_hidden
             cache.put(entry)
         except Exception:  # the answer matters more than keeping its state
             log.exception("cannot keep a batched request's prompt state")

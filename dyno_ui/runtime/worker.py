@@ -40,11 +40,11 @@ from speculative.events import Done, Provenance, Round, Token, TokenLogprobs
 from speculative.loader import LoadedModel
 from speculative.loader.vision import ProcessedImages, vision_input
 from speculative.backend.memory import MLX_MEMORY, Memory, budget_notice, default_batch_memory, device_memory, model_bytes
-from speculative.measure.batch_cost import DepthPolicy
-from speculative.prompt_cache.store import Checkpoint, PrefixCache, entry_from, owned, recurrent_state
+from speculative.round.depth_policy import DepthPolicy
+from speculative.prompt_cache.store import Checkpoint, PrefixCache, entry_from, own_rows, owned, recurrent_state
 from speculative.prompt_cache.disk import prompt_store
-from speculative.processors import processors_for
-from speculative.sampling import plain_sampler
+from speculative.round.processors import processors_for
+from speculative.round.sampling import plain_sampler
 from speculative.stats import GenerationStats
 
 from .boundaries import message_marker, message_starts
@@ -528,7 +528,7 @@ class EngineWorker:
             return
         cache, tokens = state
         try:
-            self.prefix_cache.put(entry_from(tokens, [_own_cache(c) for c in cache], job.checkpoints))
+            self.prefix_cache.put(entry_from(tokens, [own_rows(c) for c in cache], job.checkpoints))
         except Exception:  # the answer matters more than keeping its state
             log.exception("cannot keep a batched request's state")
 
@@ -591,15 +591,6 @@ def _split(prompt: List[int], start: int, cuts: List[int]) -> List[List[int]]:
     """The prompt after `start` as segments ending at the cuts (the batch stops at each)."""
     points = [start, *cuts, len(prompt)]
     return [prompt[a:b] for a, b in zip(points, points[1:]) if b > a]
-
-
-def _own_cache(cache):
-    """A batch row's extracted attention layer with rows of its own (a row's slice would keep the
-    whole batch's alive); the prompt cache copies recurrent layers itself."""
-    if hasattr(cache, "offset") and cache.keys is not None:
-        cache.keys = mx.array(cache.keys[..., : cache.offset, :])
-        cache.values = mx.array(cache.values[..., : cache.offset, :])
-    return cache
 
 
 def greedy_row(logprobs: mx.array) -> mx.array:

@@ -19,7 +19,7 @@ from ..engine import generate
 from ..events import Token
 from ..loader import LoadedModel
 from .bench import summarize
-from .batch_cost import DepthPolicy, RoundTimer
+from ..round.depth_policy import DepthPolicy, RoundTimer
 
 
 @dataclass

@@ -17,7 +17,7 @@ from mlx_lm.generate import generate_step
 from ..config import SamplingParams, SpecConfig
 from ..engine import generate
 from ..loader import LoadedModel
-from ..sampling import plain_sampler
+from ..round.sampling import plain_sampler
 from ..stats import GenerationStats
 
 

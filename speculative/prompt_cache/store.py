@@ -38,8 +38,17 @@ Recurrent = Tuple[Optional[Tuple[mx.array, ...]], ...]  # per trunk layer: a GDN
 
 
 def is_attention(cache) -> bool:
-    """Attention KV caches have an offset and trim; recurrent (ArraysCache) layers do not."""
-    return hasattr(cache, "offset")
+    """Attention KV caches trim (mlx-lm's cache protocol); recurrent (ArraysCache) layers do not."""
+    return cache.is_trimmable()
+
+
+def own_rows(cache):
+    """An attention layer extracted from a batch with arrays of its own, cut to its offset (a slice of
+    the batch's would keep the whole batch's alive); recurrent layers are copied by `owned`."""
+    if is_attention(cache) and cache.keys is not None:
+        cache.keys = mx.array(cache.keys[..., : cache.offset, :])
+        cache.values = mx.array(cache.values[..., : cache.offset, :])
+    return cache
 
 
 def recurrent_state(cache: List[Any]) -> Recurrent:
@@ -106,6 +115,9 @@ class ShiftedKVCache:
 
     def is_trimmable(self) -> bool:
         return True
+
+    def size(self) -> int:  # mlx-lm's cache protocol: positions held, the absent ones included
+        return self.offset
 
     def trim(self, n: int) -> int:
         n = min(n, self.offset)

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 
-from speculative.verify import greedy_accept, lossless_accept, residual
+from speculative.round.verify import greedy_accept, lossless_accept, residual
 
 N = 200_000
 # With N samples a frequency's standard error is <= 0.0012; 0.006 is five of them, so a

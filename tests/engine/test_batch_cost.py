@@ -9,7 +9,9 @@ import pytest
 
 from speculative.events import Provenance, Round, Token
 from speculative.measure import batch_cost, tuning
-from speculative.measure.batch_cost import BatchCosts, DepthPolicy, measure_batch_costs, monotone
+from speculative.measure.batch_cost import measure_batch_costs, monotone
+from speculative.round import depth_policy
+from speculative.round.depth_policy import BatchCosts, DepthPolicy
 
 ACCEPTANCE = [0.9, 0.8, 0.7]  # E(k) = 1, 1.9, 2.7, 3.4
 COSTS = BatchCosts(
@@ -48,7 +50,7 @@ def test_the_policy_starts_from_the_prior_and_learns_from_rounds():
     assert policy.acceptance() == pytest.approx(ACCEPTANCE)
     assert [policy.depth_for(w) for w in (1, 2, 8)] == [3, 2, 0]
     policy.observe([Round(3, 2), Token(5, Provenance.DRAFT), Round(0, 0)])  # tokens and undrafted rounds: ignored
-    p = batch_cost.PRIOR_ROUNDS
+    p = depth_policy.PRIOR_ROUNDS
     assert policy.acceptance() == pytest.approx([(1 + p * 0.9) / (1 + p), (1 + p * 0.8) / (1 + p), p * 0.7 / (1 + p)])
     for _ in range(100):  # the head stops being right: the first draft is always rejected
         policy.observe([Round(3, 0), Round(3, 0)])
@@ -122,8 +124,8 @@ def test_auto_uses_the_stored_costs(monkeypatch, tmp_path):
 
 def test_one_row_drafts_at_the_single_request_depth_without_exploring():
     policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=3, single=1)
-    assert {policy.depth_for(1) for _ in range(3 * batch_cost.EXPLORE_EVERY)} == {1}
-    assert len({policy.depth_for(2) for _ in range(3 * batch_cost.EXPLORE_EVERY)}) > 1  # wider: explored
+    assert {policy.depth_for(1) for _ in range(3 * depth_policy.EXPLORE_EVERY)} == {1}
+    assert len({policy.depth_for(2) for _ in range(3 * depth_policy.EXPLORE_EVERY)}) > 1  # wider: explored
     assert DepthPolicy(COSTS, ACCEPTANCE, max_depth=1, single=3).depth_for(1) == 1  # within what rows hold
 
 
@@ -150,7 +152,7 @@ def test_a_slow_spell_does_not_make_the_depths_not_in_use_look_cheap():
     for depth, seconds in [(1, 2.1)] * 12 + [(0, 1.0)] * 12:
         policy.record(1, depth, seconds)
     assert policy.depth_for(1) == 0
-    for _ in range(3 * batch_cost.WINDOW):
+    for _ in range(3 * depth_policy.WINDOW):
         policy.record(1, 0, 1.5)
     assert policy.clock.speed == pytest.approx(1.5, rel=0.01)
     assert policy.clock.seconds(1, 1) == pytest.approx(1.5 * 2.1, rel=0.01)  # what depth 1 would take now
@@ -180,7 +182,7 @@ def test_one_slow_round_moves_the_estimate_little():
     for s in [1.0] * 6 + [50.0] + [1.0] * 2:
         policy.record(2, 1, s)
     assert policy.clock.seconds(2, 1) == 1.0  # the median of the last rounds
-    for _ in range(batch_cost.WINDOW):  # a lasting change takes over within a window
+    for _ in range(depth_policy.WINDOW):  # a lasting change takes over within a window
         policy.record(2, 1, 3.0)
     assert policy.clock.seconds(2, 1) == 3.0
 
@@ -191,13 +193,13 @@ def test_exploring_neighbours_finds_the_depth_the_tuned_costs_missed():
     policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=3)
     true_seconds = lambda k: 1.0 + 0.8 * k  # noqa: E731
     picked = []
-    for _ in range(8 * batch_cost.EXPLORE_EVERY):
+    for _ in range(8 * depth_policy.EXPLORE_EVERY):
         k = policy.depth_for(1)
         policy.record(1, k, true_seconds(k))
         picked.append(k)
     assert picked[0] == 3 and policy.best_depth(1) == 1
-    last = picked[-2 * batch_cost.EXPLORE_EVERY:]  # settled: depth 1 but for the neighbours' timed rounds
-    assert last.count(1) == len(last) - 2 * batch_cost.EXPLORE_RUN
+    last = picked[-2 * depth_policy.EXPLORE_EVERY:]  # settled: depth 1 but for the neighbours' timed rounds
+    assert last.count(1) == len(last) - 2 * depth_policy.EXPLORE_RUN
     assert sorted(set(last)) == [0, 1, 2]
 
 
@@ -208,27 +210,27 @@ def test_a_neighbour_far_below_the_best_is_timed_rarely():
     policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=1)
     true_seconds = {0: 1.0, 1: 3.0}
     picked = []
-    for _ in range(20 * batch_cost.EXPLORE_EVERY):
+    for _ in range(20 * depth_policy.EXPLORE_EVERY):
         k = policy.depth_for(8)
         policy.record(8, k, true_seconds[k], policy.peek(8))  # a turn's middle round alone is kept
         picked.append(k)
     assert policy.best_depth(8) == 0
-    turns = [n // batch_cost.EXPLORE_EVERY for n, k in enumerate(picked, 1) if k == 1]
-    assert batch_cost.FAR_EVIDENCE == 3
-    assert sorted(set(turns)) == [0, 1, 2, 2 * batch_cost.FAR_SPACING, 2 * batch_cost.FAR_SPACING + 1]
-    assert len(turns) == 5 * batch_cost.EXPLORE_RUN
+    turns = [n // depth_policy.EXPLORE_EVERY for n, k in enumerate(picked, 1) if k == 1]
+    assert depth_policy.FAR_EVIDENCE == 3
+    assert sorted(set(turns)) == [0, 1, 2, 2 * depth_policy.FAR_SPACING, 2 * depth_policy.FAR_SPACING + 1]
+    assert len(turns) == 5 * depth_policy.EXPLORE_RUN
     true_seconds[1] = 1.8  # 1.9 / 1.8: now depth 1 is best, and depth 0 within FAR of it
     policy.record(8, 1, 1.8)
-    for _ in range(batch_cost.WINDOW):
+    for _ in range(depth_policy.WINDOW):
         policy.record(8, 1, 1.8)
-    picked = [policy.depth_for(8) for _ in range(4 * batch_cost.EXPLORE_EVERY)]
-    assert policy.best_depth(8) == 1 and picked.count(0) == 4 * batch_cost.EXPLORE_RUN
+    picked = [policy.depth_for(8) for _ in range(4 * depth_policy.EXPLORE_EVERY)]
+    assert policy.best_depth(8) == 1 and picked.count(0) == 4 * depth_policy.EXPLORE_RUN
 
 
 def test_peek_is_the_next_depth_without_counting_it():
     """What a round queues work for: the depth the next depth_for gives, exploration turns included."""
     policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=3)
-    for _ in range(3 * batch_cost.EXPLORE_EVERY):
+    for _ in range(3 * depth_policy.EXPLORE_EVERY):
         expected = policy.peek(2)
         assert policy.peek(2) == expected  # peeking counts nothing
         assert policy.depth_for(2) == expected
@@ -241,7 +243,7 @@ def test_an_explored_depth_is_timed_on_its_steady_round_alone():
     round's time is kept, so the explored depth is not charged for either switch."""
     policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=1)
     steady = {0: 1.0, 1: 2.0}
-    for _ in range(6 * batch_cost.EXPLORE_EVERY):
+    for _ in range(6 * depth_policy.EXPLORE_EVERY):
         k, then = policy.depth_for(8), policy.peek(8)
         switch = 1.5 if (k != then or policy.clock.last != (8, k)) else 0.0
         policy.record(8, k, steady[k] + switch, then)
@@ -253,16 +255,14 @@ def test_a_pinned_policy_ignores_round_times():
     policy = DepthPolicy(None, [], pinned=2)
     policy.record(1, 2, 100.0)
     assert policy.clock is None and policy.best_depth(1) == 2
-    assert [policy.depth_for(1) for _ in range(3 * batch_cost.EXPLORE_EVERY)] == [2] * 3 * batch_cost.EXPLORE_EVERY
+    assert [policy.depth_for(1) for _ in range(3 * depth_policy.EXPLORE_EVERY)] == [2] * 3 * depth_policy.EXPLORE_EVERY
 
 
 def test_a_round_is_timed_from_its_start_to_the_next_unless_skipped(monkeypatch):
-    from speculative.measure import batch_cost
-
     recorded = []
-    timer = batch_cost.RoundTimer(lambda *a: recorded.append(a))
+    timer = depth_policy.RoundTimer(lambda *a: recorded.append(a))
     clock = iter([1.0, 3.5, 4.0, 10.0])
-    monkeypatch.setattr(batch_cost.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(depth_policy.time, "perf_counter", lambda: next(clock))
     timer.start(2, 1, 1)  # t = 1
     timer.start(2, 1, 0)  # t = 3.5: the first round took 2.5 s, host work after its step included
     timer.skip()  # a row's prefill

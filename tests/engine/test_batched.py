@@ -10,7 +10,7 @@ from scipy.stats import chi2
 
 from helpers.distribution import FALSE_ALARM, PARAMS, chi_square, exact_joint
 from helpers.reference import plain_greedy
-from speculative import batched
+from speculative import batched, rollback
 from speculative.batched import BatchSpeculator
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
@@ -196,7 +196,7 @@ def test_a_row_resumed_from_the_prefix_cache_beside_a_cold_one(bundled, mode):
 
 def test_shared_left_padding_is_dropped(bundled, monkeypatch):
     """Rows that reject drafts pile up left padding; once every row has some it is cut, unchanged output."""
-    monkeypatch.setattr(batched, "COMPACT_AT", 2)
+    monkeypatch.setattr(rollback, "COMPACT_AT", 2)
     lm = bundled("dyno-tiny")
     prompts = [lm.tokenizer.encode(p) for p in PROMPTS[:2]]
     batch = BatchSpeculator(lm)
@@ -334,8 +334,8 @@ def test_rows_on_the_metal_kernel_branch_are_plain_greedy(bundled, metal_kernel,
     lm = bundled("dyno-tiny")
     prompts = [lm.tokenizer.encode(p) for p in PROMPTS[:2]]
     limits = [24, 16]
-    commits, replay_rows = [], batched.replay_rows
-    monkeypatch.setattr(batched, "replay_rows", lambda *a: commits.append(a[-1]) or replay_rows(*a))
+    commits, replay_rows = [], rollback.replay_rows
+    monkeypatch.setattr(rollback, "replay_rows", lambda *a: commits.append(a[-1]) or replay_rows(*a))
     rows = [(i, p, SamplingParams(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, limits))]
     events, _ = drive(BatchSpeculator(lm), 3, {0: rows})
     for i, prompt in enumerate(prompts):

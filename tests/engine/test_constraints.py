@@ -25,7 +25,7 @@ from speculative.engine import Speculator, generate
 from speculative.errors import DynoError
 from speculative.events import Round, Token
 from speculative.loader import load_checkpoint
-from speculative.processors import processors_for
+from speculative.round.processors import processors_for
 
 PERSON = {  # bounded strings and arrays: a random model finishes it in ~200 tokens
     "type": "object",

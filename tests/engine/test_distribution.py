@@ -20,7 +20,7 @@ from helpers.distribution import (FALSE_ALARM, chi_square, exact_joint, mlx_lm_p
 from speculative.config import SamplingParams
 from speculative.engine import Speculator
 from speculative.loader import load_checkpoint
-from speculative.sampling import warp
+from speculative.round.sampling import warp
 
 pytestmark = pytest.mark.slow
 

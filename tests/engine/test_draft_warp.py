@@ -6,7 +6,7 @@ import numpy as np
 
 from speculative.config import SamplingParams
 from speculative.engine import Speculator
-from speculative.sampling import draft_params, warp
+from speculative.round.sampling import draft_params, warp
 
 
 def test_top_p_is_dropped_only_under_top_k():

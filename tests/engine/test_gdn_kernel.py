@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import gated_delta
 
-from speculative.batched import commit_rows
+from speculative.rollback import commit_rows
 from speculative.loader import load_checkpoint
 from speculative.target import kernel_path
 

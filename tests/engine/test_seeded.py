@@ -8,7 +8,7 @@ from mlx_lm.sample_utils import make_sampler
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.events import Token
-from speculative.sampling import KeyChain, effective_top_k, seeded_pick
+from speculative.round.sampling import KeyChain, effective_top_k, seeded_pick
 
 WARPS = [dict(temperature=0.3), dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=20),
          dict(temperature=0.7, min_p=0.1), dict(temperature=1.0, top_p=0.8, top_k=50, min_p=0.02)]
@@ -48,7 +48,7 @@ from dyno_ui.paths import BUNDLED_MODEL  # noqa: E402
 from speculative.constraints import JsonSchema, constraint_for  # noqa: E402
 from speculative.events import Round  # noqa: E402
 from speculative.loader import load_checkpoint  # noqa: E402
-from speculative.processors import processors_for  # noqa: E402
+from speculative.round.processors import processors_for  # noqa: E402
 
 PROMPT = "def parse(line):\n    "
 SAMPLED = [dict(temperature=0.3, top_k=40), dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, min_p=0.05)]
@@ -133,3 +133,50 @@ def test_a_seeded_row_gives_mlx_lms_text_beside_any_others_at_any_depths(bundled
             events["seeded"] += batch.step(depth, then).get("seeded", ((), None))[0]
             r += 1
         assert [e.id for e in events["seeded"] if isinstance(e, Token)] == want, width
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="row invariance holds on the CPU backend")
+@pytest.mark.parametrize("others", [1, 3, 7])
+def test_a_seeded_row_is_the_same_alone_and_beside_others_at_auto_depth(bundled, others):
+    """As the server drafts under `auto`: each round's depth is a DepthPolicy's for the batch's width,
+    learning acceptance from the rounds it observes and their times from the clock, so the depths
+    follow the company and the machine. The seeded row's tokens are the same alone and beside
+    `others` rows (greedy, unseeded, seeded with another seed, with processors; joining late, leaving
+    early), and are plain mlx-lm's with its seed."""
+    from speculative.batched import BatchSpeculator
+    from speculative.round.depth_policy import BatchCosts, DepthPolicy, RoundTimer
+
+    lm = bundled
+    prompt = lm.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0.8, top_k=40, seed=77, max_tokens=40)
+    company = [SamplingParams(max_tokens=12), SamplingParams(temperature=1.0, max_tokens=60),
+               SamplingParams(temperature=0.6, top_p=0.9, seed=8, max_tokens=25),
+               SamplingParams(max_tokens=30, repetition_penalty=1.2)]
+    texts = ["class Node:\n", "import os\n", "for i in range(10):\n", "# sum\n"]
+    costs = BatchCosts(verify={w: {t: 0.01 * w * (1 + 0.4 * t) for t in range(1, 5)} for w in (1, 2, 4, 8)},
+                       draft={w: 0.002 * w for w in (1, 2, 4, 8)})
+
+    def run(n):
+        policy = DepthPolicy(costs, [0.8, 0.6, 0.4], max_depth=4)
+        timer, batch = RoundTimer(policy.record), BatchSpeculator(lm)
+        joins = {0: list(range(n // 2)), 3: list(range(n // 2, n))}  # half beside it from the start, half later
+        got = [e.id for e in batch.join("seeded", prompt, params).events if isinstance(e, Token)]
+        depths, r = set(), 0
+        while "seeded" in batch:
+            for i in joins.get(r, []):
+                batch.join(i, lm.tokenizer.encode(texts[i % 4]), company[i % 4])
+            width = len(batch)
+            depth, then = policy.depth_for(width), policy.peek(width)
+            depths.add(depth)
+            timer.start(width, depth, then)
+            out = batch.step(depth, then)
+            policy.observe(e for row in out.values() for e in row.events)
+            got += [e.id for e in out.get("seeded", ((), None))[0] if isinstance(e, Token)]
+            r += 1
+        timer.skip()
+        return got, depths
+
+    alone, _ = run(0)
+    beside, depths = run(others)
+    assert alone == beside == mlx_lm_seeded(lm, prompt, params)
+    assert len(depths) > 1  # the policy changed the depth on the way (plain rounds or other depths)

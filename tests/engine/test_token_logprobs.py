@@ -9,7 +9,7 @@ from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from speculative.errors import DynoError
 from speculative.events import Token
-from speculative.processors import processors_for
+from speculative.round.processors import processors_for
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 N = 40

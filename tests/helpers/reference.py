@@ -23,7 +23,7 @@ def template_tokens(lm, messages, tools=None, thinking=False):
 def plain_constrained(lm, prompt, constraint, n, logit_bias=None):
     """mlx-lm's generate_step, greedy, with the constraint's processor (and bias): the reference tokens."""
     from speculative.config import SamplingParams
-    from speculative.processors import processors_for
+    from speculative.round.processors import processors_for
 
     params = SamplingParams(max_tokens=n, constraint=constraint, logit_bias=logit_bias)
     out = []

@@ -19,8 +19,8 @@ from dyno_ui.runtime.textstream import TextAssembler
 from dyno_ui.runtime.worker import Job
 from helpers.serving import MODEL_ID, running_server
 from speculative.config import SamplingParams, SpecConfig
-from speculative.measure import batch_cost
-from speculative.measure.batch_cost import BatchCosts, DepthPolicy
+from speculative.round import depth_policy
+from speculative.round.depth_policy import BatchCosts, DepthPolicy
 from dyno_ui.server.run import describe
 
 pytestmark = pytest.mark.e2e
@@ -187,7 +187,7 @@ def test_rows_wait_for_memory_and_still_get_their_answers(serial):
 def test_the_depth_policy_picks_each_rounds_depth_by_width(serial, monkeypatch):
     """Costs where a verify pass is free alone and dear beside others: alone a row drafts at 3, in
     company at 0 (plain batched rounds); every answer is still the one serial drafting gives."""
-    monkeypatch.setattr(batch_cost, "EXPLORE_EVERY", 10**9)  # only the costs choose: no neighbour is timed
+    monkeypatch.setattr(depth_policy, "EXPLORE_EVERY", 10**9)  # only the costs choose: no neighbour is timed
     flat, steep = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}, {1: 1.0, 2: 10.0, 3: 10.0, 4: 10.0}
     costs = BatchCosts({1: flat, 2: steep, 4: steep}, {1: 0.01, 2: 0.01, 4: 0.01})
     policy = lambda lm, spec: DepthPolicy(costs, [0.9, 0.9, 0.9], max_depth=3)  # noqa: E731

@@ -267,7 +267,7 @@ def test_a_job_checked_against_a_replaced_model_is_refused(tiny_dir, tiny_lm):
 
 def test_a_batched_request_whose_sampler_raises_fails_alone(tiny_dir, tiny_lm, monkeypatch):
     import dyno_ui.runtime.worker as worker_module
-    from speculative.sampling import plain_sampler
+    from speculative.round.sampling import plain_sampler
 
     def sampler_for(params, vocab):  # the request with seed 13 gets mlx-lm's top-k past the vocabulary
         if params.seed == 13:

@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
-from .config import SamplingParams
+from ..config import SamplingParams
 
 Processor = Callable[[mx.array, mx.array], mx.array]
 

@@ -13,7 +13,7 @@ import dataclasses
 import mlx.core as mx
 from mlx_lm.sample_utils import Sampler, apply_min_p, apply_top_k, apply_top_p, make_sampler
 
-from .config import SamplingParams
+from ..config import SamplingParams
 
 
 def log_softmax(logits: mx.array) -> mx.array:
