@@ -74,24 +74,32 @@ class Rounds:
         steps, probs = [], [[] for _ in self.rows]
         for j in range(k):
             greedy = greedy_token(self.draft_lm_head, g[:, -1]) if any(shared) else None  # [B]
-            logits = self.draft_lm_head(g[:, -1]) if not all(shared) else None  # [B, V]
-            picks = []
-            for b, row in enumerate(self.rows):
-                if shared[b]:
-                    picks.append(greedy[b : b + 1])
-                    continue
-                lb = logits[b : b + 1]
-                if histories[b] is not None:  # draft j follows the committed tokens and drafts 0..j-1
-                    lb = row.processors.row(lb, histories[b], mx.concatenate([s[b : b + 1] for s in steps]) if steps else None)
-                d, q = row.pick(lb, j)  # draft j proposes the token j past the pending one
-                picks.append(d)
-                probs[b].append(q)
-            d = mx.concatenate(picks) if len(picks) > 1 else picks[0]
+            if all(shared):  # (no per-row slices: a round of greedy rows, the serial engine's usual one)
+                d = greedy
+            else:
+                d = self._picks(greedy, self.draft_lm_head(g[:, -1]), histories, steps, probs, j)
             steps.append(d)
             if j + 1 < k:  # recurse: each row's draft with the head's own output, position + 1
                 g = self._head(d[:, None], g)
         drafts = mx.stack(steps, axis=1)
         return drafts, [None if r.params.greedy else mx.concatenate(p) for r, p in zip(self.rows, probs)]
+
+    def _picks(self, greedy: Optional[mx.array], logits: mx.array, histories: list, steps: List[mx.array],
+               probs: List[list], j: int) -> mx.array:
+        """Draft j of every row from the [B, V] draft logits by the row's own rule (`greedy`'s pick for
+        plain greedy rows), appending each sampled row's q to probs[b]."""
+        picks = []
+        for b, row in enumerate(self.rows):
+            if row.plain_greedy:
+                picks.append(greedy[b : b + 1])
+                continue
+            lb = logits[b : b + 1]
+            if histories[b] is not None:  # draft j follows the committed tokens and drafts 0..j-1
+                lb = row.processors.row(lb, histories[b], mx.concatenate([s[b : b + 1] for s in steps]) if steps else None)
+            d, q = row.pick(lb, j)  # draft j proposes the token j past the pending one
+            picks.append(d)
+            probs[b].append(q)
+        return mx.concatenate(picks) if len(picks) > 1 else picks[0]
 
     def _sync(self, nxt: mx.array, n_acc: mx.array, drafts: mx.array) -> Tuple[List[int], List[int], List[List[int]]]:
         """The round's one host sync: ([B] next tokens, [B] accepted counts, [B, k] drafts) as Python."""
@@ -130,8 +138,9 @@ class Rounds:
         kept = [a + 1 for a in accepted]
         rollback(self.trunk_cache, tapes, k + 1, kept)
         rollback(self.head_cache, [], k + 1, kept)
-        at = mx.array(accepted)[:, None, None]
-        self.head_hidden = mx.take_along_axis(head_rows, at, axis=1)  # each row's last kept row drafts next
+        # Each row's last kept row drafts next (one row: a slice, as cheap as the serial round was).
+        self.head_hidden = (head_rows[:, accepted[0] : accepted[0] + 1] if B == 1 else
+                            mx.take_along_axis(head_rows, mx.array(accepted)[:, None, None], axis=1))
         self.pending = mx.array(nxt_ids, dtype=drafts.dtype)
         return Verified(
             [d[: depths[b]] for b, d in enumerate(drafted)], accepted, nxt_ids, processed, hidden, tapes,
