@@ -35,9 +35,10 @@ log = logging.getLogger("dyno.serve")
 
 
 def pinned_depth(job) -> Optional[int]:
-    """The draft depth a request sets for itself (the playground's mode and depth; 0 when it asks for
-    no speculation), which its row keeps whatever the policy picks for the others; None: the policy's."""
-    if job.spec is None:
+    """The draft depth a request sets for itself (the playground's "mtp" and its depth; 0 for "off"),
+    which its row keeps whatever the policy picks for the others; None: the policy's (no spec of its
+    own, or "auto", which leaves the depth to the server and stops drafting with a collapsed head)."""
+    if job.spec is None or job.spec.mode == "auto":
         return None
     return 0 if job.spec.mode == "off" else job.spec.draft_depth
 

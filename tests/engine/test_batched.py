@@ -342,3 +342,34 @@ def test_rows_on_the_metal_kernel_branch_are_plain_greedy(bundled, metal_kernel,
         assert tokens(events[i]) == plain_greedy(lm, prompt, limits[i]), f"row {i}"
     assert (2, 4) in [k[:2] for _, k, *_ in metal_kernel.calls]  # the verify of 2 rows x 4 tokens took it
     assert any(len(set(c)) > 1 for c in commits)  # a ragged commit, by replay
+
+
+def test_rows_pinned_to_their_own_depths_share_rounds(bundled):
+    """Ragged drafts: rows pinned at 0, 1 and 4 beside unpinned rows whose depth the rounds change; each
+    drafts at its own depth in every round (a row at 0 never drafts) and every row is plain greedy;
+    a sampled row pinned at 2 keeps its seed's tokens."""
+    lm = bundled("dyno-tiny")
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+    pins = {"zero": 0, "one": 1, "four": 4, "free": None}
+    batch, events = BatchSpeculator(lm), {}
+    for i, (name, pin) in enumerate(pins.items()):
+        events[name] = list(batch.join(name, prompts[i], SamplingParams(max_tokens=40), depth=pin).events)
+    seeded = SamplingParams(temperature=0.8, top_k=20, max_tokens=40, seed=7)
+    events["seeded"] = list(batch.join("seeded", prompts[0], seeded, depth=2).events)
+    r, schedule = 0, [2, 0, 3, 1]
+    while batch:
+        for name, out in batch.step(schedule[r % 4], schedule[(r + 1) % 4]).items():
+            events[name] += out.events
+        r += 1
+    for i, name in enumerate(pins):
+        assert tokens(events[name]) == plain_greedy(lm, prompts[i], 40), name
+    depths = {name: {e.drafted for e in evs if isinstance(e, Round)} for name, evs in events.items()}
+    assert depths["zero"] == set() and depths["one"] == {1} and depths["four"] <= {4} and depths["seeded"] == {2}
+    assert depths["free"] == {1, 2, 3}  # the rounds' own depths (its depth-0 rounds drafted for the others)
+    want = []
+    for e in Speculator(lm, seeded, 2, 2048).run(prompts[0]):
+        if isinstance(e, Token):
+            want.append(e.id)
+        if len(want) == seeded.max_tokens or (want and want[-1] in lm.eos_token_ids):
+            break
+    assert tokens(events["seeded"]) == want
