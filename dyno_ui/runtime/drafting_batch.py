@@ -90,7 +90,7 @@ class DraftingBatch:
 
     def serve(self) -> None:
         w = self.worker
-        while self._admit() and not w._closing.is_set():
+        while self._admit() and not w.closing.is_set():
             for row, job in list(self.active.items()):
                 if job.cancelled.is_set():
                     self._end(row, "cancelled")
@@ -110,7 +110,7 @@ class DraftingBatch:
                 self.timer.skip()
                 log.exception("batched drafting failed")
                 for job in self.active.values():
-                    w._fail(job, failure(e))
+                    w.fail(job, failure(e))
                 self.active.clear()
                 self.bytes.clear()
                 self.batch = self._new_batch()
@@ -127,12 +127,12 @@ class DraftingBatch:
                 self._deliver(row, out)
             for row, job in list(self.active.items()):  # its own processors raised in the round
                 if job.error is not None:
-                    self._fail(row, job.error)
+                    self.fail(row, job.error)
         for job in self.active.values():  # closing: the jobs in flight are told so
-            w._fail(job, STOPPED, 503)
+            w.fail(job, STOPPED, 503)
         self.active.clear()
         if self.held is not None:
-            w._fail(self.held, STOPPED, 503)
+            w.fail(self.held, STOPPED, 503)
 
     # ---- rows joining ----
 
@@ -150,7 +150,7 @@ class DraftingBatch:
                     return True
                 if job is None:
                     return False
-                if w._settled_in_queue(job) or w._stale(job):
+                if w.settled_in_queue(job) or w.stale(job):
                     continue
                 if job.images is not None:  # not yet a row of the batch: served by itself, the batch waiting
                     w.run_alone(job)
@@ -180,7 +180,7 @@ class DraftingBatch:
             out = self.batch.join(row, job.prompt, job.params, resume, cuts, depth=pinned_depth(job))
         except Exception as e:  # this request alone is refused; the batch goes on
             log.exception("cannot add a request to the batch")
-            w._fail(job, failure(e))
+            w.fail(job, failure(e))
             return
         self.active[row] = job
         self.bytes[row] = nbytes
@@ -228,15 +228,15 @@ class DraftingBatch:
                     job.send(Traced(event, time.perf_counter()))
                 job.stats.add(event)
                 if isinstance(event, Token):
-                    w._on_token(job, event.id, event.logprobs)
+                    w.on_token(job, event.id, event.logprobs)
                     tokens -= 1
                     if tokens == 0 and out.finish is not None:  # EOS or max_tokens first, as generate checks
                         break
-                    if (reason := w._until(job)) is not None:
+                    if (reason := w.until(job)) is not None:
                         break
         except Exception as e:  # e.g. its detokenizer or tool parser: this request fails alone
             log.exception("a batched request failed")
-            self._fail(row, e)
+            self.fail(row, e)
             return
         reason = reason or out.finish
         if reason is not None:
@@ -253,15 +253,15 @@ class DraftingBatch:
         w, job = self.worker, self.active[row]
         self._leave(row)
         if reason == "cancelled" and not job.cancelled.is_set():  # cut by shutdown, not by its client
-            w._fail(job, STOPPED, 503)
+            w.fail(job, STOPPED, 503)
             return
         try:
-            w._finish_batched(job, reason)
+            w.finish_batched(job, reason)
         except Exception as e:
             log.exception("a batched request failed")
-            w._fail(job, failure(e))
+            w.fail(job, failure(e))
 
-    def _fail(self, row: int, error: BaseException) -> None:
+    def fail(self, row: int, error: BaseException) -> None:
         job = self.active[row]
         self._leave(row)
-        self.worker._fail(job, failure(error))
+        self.worker.fail(job, failure(error))

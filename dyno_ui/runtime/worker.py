@@ -109,7 +109,11 @@ class Job:
 
 
 class EngineWorker:
-    """Owns the model on its own thread and serves submitted jobs."""
+    """Owns the model on its own thread and serves submitted jobs.
+
+    What a loop serving its jobs (its own, or drafting_batch.DraftingBatch) drives a job with is
+    public: settled_in_queue and stale (skip a job), on_token and until (its tokens and stops),
+    finish_batched and fail (its end), run_alone, and the `closing` event."""
 
     def __init__(self, load: Callable[[], Tuple[LoadedModel, SpecConfig]], decode_concurrency: int = 1,
                  prompt_cache_bytes: Optional[int] = None, prompt_cache_dir: Optional[Path] = None,
@@ -136,7 +140,7 @@ class EngineWorker:
         self.metrics: Optional[ServerMetrics] = None  # made once the model says whether we draft
         self.running: Dict[int, Job] = {}  # jobs being generated (serial: at most one), by id
         self._ready = threading.Event()
-        self._closing = threading.Event()  # stops the current generation at its next round
+        self.closing = threading.Event()  # stops the current generation at its next round
         self._stopped = False  # set (under _submit_lock) once the thread no longer takes jobs
         self._submit_lock = threading.Lock()
         self._load_error: Optional[BaseException] = None
@@ -215,7 +219,7 @@ class EngineWorker:
 
     def begin_close(self) -> None:
         """Stop at the next round of the current generation; queued jobs are then answered 503."""
-        self._closing.set()
+        self.closing.set()
         self.jobs.put(None)
 
     def close(self, timeout: float = 30.0) -> None:
@@ -239,7 +243,7 @@ class EngineWorker:
                         self._serve_batched()
         finally:
             for job in self.running.values():  # only if the loop itself died: no job goes unanswered
-                self._fail(job, "the engine stopped", 503)
+                self.fail(job, "the engine stopped", 503)
             self._answer_queued()
             if self.prefix_cache is not None:
                 try:
@@ -309,9 +313,9 @@ class EngineWorker:
             if isinstance(job, Call):
                 job.future.set_exception(RuntimeError(STOPPED))
             elif job is not None:
-                self._fail(job, STOPPED, 503)
+                self.fail(job, STOPPED, 503)
 
-    def _settled_in_queue(self, item) -> bool:
+    def settled_in_queue(self, item) -> bool:
         """A Call runs here; a job cancelled while queued finishes without running. True for both."""
         if isinstance(item, Call):
             item.run()
@@ -323,11 +327,11 @@ class EngineWorker:
 
     def _serve_serial(self) -> None:
         while (job := self.jobs.get()) is not None:
-            if self._settled_in_queue(job):
+            if self.settled_in_queue(job):
                 continue
             self.run_alone(job)
             self.metrics.set_width(0)
-            if self._closing.is_set():
+            if self.closing.is_set():
                 break
 
     def run_alone(self, job: Job) -> None:
@@ -339,19 +343,19 @@ class EngineWorker:
             self._run(job)
         except Exception as e:  # this request fails alone: the thread, other jobs and cache entries live on
             log.exception("generation failed")
-            self._fail(job, failure(e))
+            self.fail(job, failure(e))
         del self.running[id(job)]
 
-    def _stale(self, job: Job) -> bool:
+    def stale(self, job: Job) -> bool:
         """True (and the job failed) when the request was checked against a model no longer served."""
         if job.lm is None or job.lm is self.lm:
             return False
-        self._fail(job, "the model was replaced while this request waited; send it again", 503)
+        self.fail(job, "the model was replaced while this request waited; send it again", 503)
         return True
 
     def _run(self, job: Job) -> None:
         """One request through the engine; stops between rounds when cancelled or a stop string hits."""
-        if self._stale(job):
+        if self.stale(job):
             return
         spec = job.spec or self.spec
         if spec.mode == "off" or self.lm.head is None:
@@ -359,7 +363,7 @@ class EngineWorker:
         job.stats = GenerationStats(draft_depth=spec.draft_depth)
         split = self.lm.ranks is not None  # across mx.distributed ranks: rank 0's engine leads the others
         if split and job.images is not None:
-            self._fail(job, "images are not supported on a model split across processes", 400)
+            self.fail(job, "images are not supported on a model split across processes", 400)
             return
         # The tower runs here, on the thread that owns MLX.
         vision = vision_input(self.lm.target, self.lm.vision, job.prompt, job.images) if job.images is not None else None
@@ -367,7 +371,7 @@ class EngineWorker:
             events = distributed.generate(self.lm, job.prompt, job.params, spec)
         else:
             events = generate(self.lm, job.prompt, job.params, spec, prefix_cache=self.prefix_cache,
-                              boundaries=message_starts(job.prompt, self.marker), until=lambda: self._until(job),
+                              boundaries=message_starts(job.prompt, self.marker), until=lambda: self.until(job),
                               memory=self.memory, vision=vision)
         reason = "cancelled"
         try:
@@ -378,29 +382,29 @@ class EngineWorker:
                 if isinstance(event, Round):
                     self.metrics.record_round(1, event.drafted)
                 elif isinstance(event, Token):
-                    self._on_token(job, event.id, event.logprobs)
-                    if split and (why := self._until(job)):
+                    self.on_token(job, event.id, event.logprobs)
+                    if split and (why := self.until(job)):
                         reason = why
                         break
                 elif isinstance(event, Done):
                     reason = event.finish_reason
         finally:
             events.close()  # (if its output raised: the engine still keeps the state it reached)
-        if reason == "cancelled" and self._closing.is_set() and not job.cancelled.is_set():
-            self._fail(job, STOPPED, 503)  # cut by shutdown, not by its client: say so, not a finish
+        if reason == "cancelled" and self.closing.is_set() and not job.cancelled.is_set():
+            self.fail(job, STOPPED, 503)  # cut by shutdown, not by its client: say so, not a finish
         else:
             self._finish(job, reason)
 
-    def _until(self, job: Job) -> Optional[str]:
+    def until(self, job: Job) -> Optional[str]:
         """Why the engine should end `job` after its latest token: a stop string, a cancel (its
         client's or the server's shutdown), or None to go on. The engine keeps the state it reached."""
         if job.text.stopped:
             return "stop"
-        if job.cancelled.is_set() or self._closing.is_set():
+        if job.cancelled.is_set() or self.closing.is_set():
             return "cancelled"
         return None
 
-    def _on_token(self, job: Job, token: int, logprobs: Optional[TokenLogprobs] = None) -> None:
+    def on_token(self, job: Job, token: int, logprobs: Optional[TokenLogprobs] = None) -> None:
         """A token's log-probabilities (when asked for), then its text; EOS delivers neither."""
         job.first_token_at = job.first_token_at or time.perf_counter()
         if token not in self.eos:
@@ -438,7 +442,7 @@ class EngineWorker:
         ))
         job.send(Finished(reason, len(job.prompt), n, cached))
 
-    def _fail(self, job: Job, message: str, status: int = 500) -> None:
+    def fail(self, job: Job, message: str, status: int = 500) -> None:
         if self.metrics is not None:
             self.metrics.record_failure()
         job.send(Failed(message, status))
@@ -449,12 +453,12 @@ class EngineWorker:
         batch = self._new_batch()
         active: Dict[int, Job] = self.running  # by batch uid
         while True:
-            if not self._admit(batch, active, wait=not active) or self._closing.is_set():
+            if not self._admit(batch, active, wait=not active) or self.closing.is_set():
                 break
             for uid, job in list(active.items()):
                 if job.cancelled.is_set():
                     self._keep_batched(job, batch.remove([uid], return_prompt_caches=True).get(uid))
-                    self._finish_batched(active.pop(uid), "cancelled")
+                    self.finish_batched(active.pop(uid), "cancelled")
             if not active:
                 continue
             try:
@@ -465,7 +469,7 @@ class EngineWorker:
             except Exception as e:  # not attributable to one request: fail the batch, keep serving
                 log.exception("batched generation failed")
                 for job in active.values():
-                    self._fail(job, failure(e))
+                    self.fail(job, failure(e))
                 active.clear()
                 # Closed before the next is made: each BatchGenerator puts back the wired limit it
                 # found, and an old one closed (or collected) after the new one was made would unwire it.
@@ -484,9 +488,9 @@ class EngineWorker:
             for uid, job in list(active.items()):  # its own sampler, processor or output raised
                 if job.error is not None:
                     batch.remove([uid])
-                    self._fail(active.pop(uid), failure(job.error))
+                    self.fail(active.pop(uid), failure(job.error))
         for job in active.values():  # closing: the jobs in flight are told so
-            self._fail(job, STOPPED, 503)
+            self.fail(job, STOPPED, 503)
         active.clear()
         batch.close()
         self.metrics.set_width(0)
@@ -497,14 +501,14 @@ class EngineWorker:
         # r.logprobs: the log-softmax of the row's processed logits, as generate_step's
         (logprobs,) = scored(r.logprobs, [r.token], job.params.logprobs)
         job.stats.add(Token(r.token, Provenance.PLAIN, logprobs))
-        self._on_token(job, r.token, logprobs)
+        self.on_token(job, r.token, logprobs)
         reason = r.finish_reason or ("stop" if job.text.stopped else None)
         if reason is not None:
             if r.finish_reason is None:  # a stop string: the batch gives back the state it reached
                 self._keep_batched(job, batch.remove([r.uid], return_prompt_caches=True).get(r.uid))
             else:
                 self._keep_batched(job, (r.prompt_cache, r.all_tokens))
-            self._finish_batched(job, reason)
+            self.finish_batched(job, reason)
             del active[r.uid]  # only once finished: if finishing raised, the caller fails it
 
     def _next_generated(self, batch: BatchGenerator, active: Dict[int, Job]) -> list:
@@ -547,9 +551,9 @@ class EngineWorker:
             if job is None:
                 return False
             wait = False
-            if self._settled_in_queue(job):
+            if self.settled_in_queue(job):
                 continue
-            if self._stale(job):
+            if self.stale(job):
                 continue
             if job.images is not None:
                 self.run_alone(job)
@@ -575,11 +579,11 @@ class EngineWorker:
                 log.exception("cannot add a request to the batch")
                 if resume is not None:
                     self._keep_batched(job, (resume.trunk_cache, job.prompt[: len(resume)]))
-                self._fail(job, failure(e))
+                self.fail(job, failure(e))
                 continue
             active[uid] = job
 
-    def _finish_batched(self, job: Job, reason: str) -> None:
+    def finish_batched(self, job: Job, reason: str) -> None:
         now = time.perf_counter()
         first = job.first_token_at or now
         job.stats.add(Done(reason, len(job.prompt), len(job.stats.tokens), first - job.started_at, now - first,
