@@ -207,3 +207,20 @@ def test_stats_and_metrics_stay_open_and_name_no_folder(server):
     assert stats.status_code == metrics.status_code == 200
     assert folder not in stats.text and folder not in metrics.text
     assert stats.json()["mtp_head"]["source"] == "local folder " + folder.rstrip("/").rsplit("/", 1)[-1]
+
+
+def test_a_flood_of_unknown_fields_is_counted_in_bounded_memory(server, caplog):
+    from dyno_ui.server.fields import MAX_LOGGED, MAX_PATHS, OTHER
+
+    flood = {f"field_{i}": i for i in range(MAX_PATHS + 50)} | {"x" * 10_000: 1}
+    before = server.stats()["ignored_fields"]["total"]
+    with caplog.at_level(logging.INFO, logger="dyno.serve"):
+        r = server.post("/v1/chat/completions", headers=JSON, json={**EDITOR, "max_tokens": 1, **flood})
+    assert r.status_code == 200, r.text
+    ignored = server.stats()["ignored_fields"]
+    assert ignored["total"] == before + len(flood)
+    assert len(ignored["by_field"]) <= MAX_PATHS + 1 and ignored["by_field"][OTHER] >= 1
+    assert max(map(len, ignored["by_field"])) <= 120
+    line = next(r.getMessage() for r in caplog.records if "ignored unknown fields" in r.getMessage())
+    assert line.endswith(f" and {len(flood) - MAX_LOGGED} more") and len(line) < 2_000
+    assert client(server).chat.completions.create(**EDITOR, extra_body=THINK_OFF).choices[0].message.content
