@@ -224,3 +224,16 @@ def test_a_flood_of_unknown_fields_is_counted_in_bounded_memory(server, caplog):
     line = next(r.getMessage() for r in caplog.records if "ignored unknown fields" in r.getMessage())
     assert line.endswith(f" and {len(flood) - MAX_LOGGED} more") and len(line) < 2_000
     assert client(server).chat.completions.create(**EDITOR, extra_body=THINK_OFF).choices[0].message.content
+
+
+def test_another_sites_page_cannot_upload_to_the_playground(server):
+    """A form upload needs no CORS preflight: the Origin a browser sends decides."""
+    files = {"files": ("a.txt", b"x" * 1000, "text/plain")}
+    here = f"http://127.0.0.1:{port(server)}"
+    other = server.post("/ui/gradio_api/upload", headers={"origin": "http://evil.example"}, files=files)
+    assert other.status_code == 403 and other.json()["error"]["message"] == (
+        "A page of http://evil.example cannot drive this server's playground; to let it, start the server "
+        "with --allowed-origins http://evil.example")
+    assert server.post("/ui/gradio_api/upload", headers={"origin": "null"}, files=files).status_code == 403
+    for headers in ({"origin": here}, {}):  # the playground's own page, and a client that is no browser
+        assert server.post("/ui/gradio_api/upload", headers=headers, files=files).status_code != 403
