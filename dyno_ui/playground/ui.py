@@ -123,11 +123,10 @@ def _images(history: List[dict]) -> List[str]:
     return [f for m in history for f in m.get("images", ())]
 
 
-def _box(value) -> tuple:
-    """(text, image files) of a MultimodalTextbox value (a dict; a string from a caller of Gradio's API)."""
-    if isinstance(value, dict):
-        return value.get("text") or "", list(value.get("files") or ())
-    return value or "", []
+def _box(value: Optional[dict]) -> tuple:
+    """(text, image files) of a MultimodalTextbox value ({"text": ..., "files": [paths]})."""
+    value = value or {}
+    return value.get("text") or "", list(value.get("files") or ())
 
 
 def _image_meta(files: List[str], images) -> List[dict]:
