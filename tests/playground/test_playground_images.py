@@ -14,7 +14,7 @@ import re
 import pytest
 
 from helpers import vision_models
-from helpers.browser import chat_box, set_number, wait_for_stats
+from helpers.browser import chat_box, set_number, stats_text, wait_for_stats
 from helpers.serving import detokenize
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
@@ -89,7 +89,7 @@ def test_an_uploaded_image_is_shown_and_answered_as_plain_decoding_does(page, im
     page.screenshot(path=str(shots / "image-chat.png"), full_page=True)
 
 
-def test_replay_and_export_of_the_image_answer(page, images, plain):
+def test_replay_export_and_regenerate_of_the_image_answer(page, images, plain):
     page.locator("#replay-box").get_by_text("Replay the rounds in slow motion").click()
     page.locator("#replay-next").click()
     page.wait_for_function("document.querySelector('#replay .replay-head')?.dataset.round === '2'")
@@ -102,6 +102,12 @@ def test_replay_and_export_of_the_image_answer(page, images, plain):
     assert [(i["name"], i["sha256"], i["grid"]) for i in data["images"]] == [(images[2].name, digest, [1, 12, 8])]
     exported = page.request.get(next(h for h in hrefs if h.split("?")[0].endswith(".html"))).text()
     assert f"{images[2].name} (sha256 {digest[:12]}" in exported
+    # Regenerate answers from the conversation, which keeps the image.
+    before = stats_text(page)
+    page.locator("#regenerate").click()
+    page.wait_for_function("b => { const t = document.querySelector('#stats')?.innerText || '';"
+                           " return t !== b && t.includes('finished'); }", arg=before)
+    assert shown(page, "#answer") == plain[2] and page.locator("#chatbot img").count() == 1
 
 
 def test_a_pasted_image_races_identically_with_and_without_drafts(page, images, plain):
