@@ -15,8 +15,8 @@ from mlx_lm.sample_utils import make_sampler
 from scipy.stats import chi2
 
 from helpers import tiny_models
-from helpers.distribution import (FALSE_ALARM, chi_square, exact_joint, mlx_lm_probs, mlx_lm_scores,
-                                  sample_tokens, target_dist, trunk_logits)
+from helpers.distribution import (FALSE_ALARM, chi_square, exact_joint, image_target_dist, mlx_lm_probs,
+                                  mlx_lm_scores, sample_tokens, target_dist, trunk_logits)
 from speculative.config import SamplingParams
 from speculative.engine import Speculator
 from speculative.loader import load_checkpoint
@@ -97,11 +97,14 @@ def test_warp_treats_verify_rows_like_single_rows():
 class ShadowSpeculator(Speculator):
     """Drafts from q: flatter than p on p's support, plus some mass off it (every ratio p/q occurs)."""
 
+    def dist(self, tokens):
+        return target_dist(self.lm, tokens)
+
     def draft(self, k):
         context = self.context + self.generated
         drafts, probs = [], []
         for _ in range(k):
-            p = target_dist(self.lm, context + drafts)
+            p = self.dist(context + drafts)
             support = (p > 0) / (p > 0).sum()
             q = 0.3 * p + 0.6 * support + 0.1 * np.roll(p, 1)
             d = mx.random.categorical(mx.log(mx.array(q)), key=self._split()).item()
@@ -132,6 +135,58 @@ def test_first_tokens_follow_the_model(tiny_lm, name, drafter):
         counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
     stat, dof = chi_square(counts, joint, n)
     assert stat < chi2.isf(FALSE_ALARM, dof), (stat, dof)
+    if drafter == "shadow":
+        assert accepted > 0.5 * n  # the accept branch was exercised, not only corrections
+
+
+# ---- the same with an image in the prompt (tiny Qwen3.5-VL checkpoint) ----
+
+# A short prompt (the trunk's recurrent layers step through a CPU prefill token by token): a 32x32
+# image, 4 rows over 2 positions (rope delta -2), then text. What its sizes can see, as chi-square
+# noncentrality per sample (critical values ~55-75): the image left out (its rows the pad token's
+# embedding) 1.0, sequential positions 0.77, rows after the prompt without the delta 0.13. Finer
+# position errors are the logits test's (test_vision.py).
+VL_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>x = "
+IMAGE_SAMPLES = {"shadow": 300, "mtp-head": 200}
+
+
+class ImageShadowSpeculator(ShadowSpeculator):
+    """The shadow drafter, its p the image prompt's (the speculator's own VisionInput, set by prefill)."""
+
+    def dist(self, tokens):
+        return image_target_dist(self.lm, self.vision, tokens)
+
+
+@pytest.fixture(scope="module")
+def image_case(vl_dir):
+    """The VL model, the prompt with its image's rows, its VisionInput, and the exact joint."""
+    from helpers import vision_models
+    from speculative.loader.vision import image_prompt
+
+    lm = load_checkpoint(vl_dir)
+    prompt, vision = image_prompt(lm.target, lm.vision, lm.tokenizer.encode(VL_PROMPT), [vision_models.png(32, 32)])
+    assert vision.rope.delta == -2
+    return lm, prompt, vision, exact_joint(lm, prompt, lambda lm, tokens: image_target_dist(lm, vision, tokens))
+
+
+@pytest.mark.parametrize("drafter", ["shadow", "mtp-head"])
+def test_first_tokens_with_an_image_follow_the_model(image_case, drafter):
+    """Drafts, verify rows and corrections past an image's rows (at offset + rope delta) keep plain
+    sampling's distribution, with the shadow drafter (every ratio p/q) and the real head."""
+    lm, prompt, vision, joint = image_case
+    cls = ImageShadowSpeculator if drafter == "shadow" else Speculator
+    counts, accepted, drafted = {}, 0, 0
+    n = IMAGE_SAMPLES[drafter]
+    for seed in range(n):
+        random.seed(seed)  # the unseeded engine's own key: the lossless rule
+        spec = cls(lm, SamplingParams(temperature=1.0, top_k=3, max_tokens=3), 2, 2048)
+        spec.lm, spec.context = lm, prompt
+        tokens, d, acc = sample_tokens(spec, prompt, 3, vision)
+        accepted, drafted = accepted + acc, drafted + d
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    stat, dof = chi_square(counts, joint, n)
+    assert stat < chi2.isf(FALSE_ALARM, dof), (stat, dof)
+    assert drafted >= n  # every sample drafted past the image
     if drafter == "shadow":
         assert accepted > 0.5 * n  # the accept branch was exercised, not only corrections
 
