@@ -166,7 +166,7 @@ def _sampling_controls(d, prefix: str) -> dict:
     c["min_p"] = gr.Slider(0, 1, value=d.min_p, step=0.01, label="min-p")
     c["max_tokens"] = gr.Slider(1, 4096, value=d.max_tokens, step=1, label="max tokens",
                                 elem_id=f"{prefix}-max-tokens")
-    c["seed"] = gr.Number(value=-1, precision=0, label="seed (-1: random)")
+    c["seed"] = gr.Number(value=-1, precision=0, label="seed (-1: random)", elem_id=f"{prefix}-seed")
     return c
 
 
