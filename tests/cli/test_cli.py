@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from helpers.run import dyno, launched_dyno, python
+from helpers.run import dyno, dyno_each, launched_dyno, python
 
 from helpers import tiny_models
 from helpers.reference import plain_greedy
@@ -72,7 +72,7 @@ def bad_models(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["--model", "{root}/missing"], "model path not found: {root}/missing"),
     (["--model", "{root}/empty"], "not a model folder (no config.json): {root}/empty"),
     (["--model", "{root}/broken"], "model config {root}/broken/config.json is not valid JSON: "
@@ -96,12 +96,25 @@ def bad_models(tmp_path_factory):
     (["--model", "{root}/nohead", "--draft-vocab", "most"],
      "draft vocabulary must be a number of tokens >= 1, auto or full, got 'most'"),
     (["--model", "{root}/nohead", "--prompt", ""], "the prompt is empty"),
-])
-def test_bad_input_one_line_exit_2(bad_models, args, message):
-    args = [a.format(root=bad_models) for a in args]
-    if "--prompt" not in args:
-        args += ["--prompt", "hello"]
-    r = dyno("generate", *args)
+]
+
+
+def bad_generate(args, root):
+    args = [a.format(root=root) for a in args]
+    return ["generate", *args, *([] if "--prompt" in args else ["--prompt", "hello"])]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(bad_models):
+    """Each BAD_INPUT command's result, by its arguments: all run in one subprocess (helpers.run.dyno_each),
+    one interpreter start-up and MLX import instead of one per case."""
+    runs = dyno_each([bad_generate(args, bad_models) for args, _ in BAD_INPUT])
+    return {tuple(args): r for (args, _), r in zip(BAD_INPUT, runs)}
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT)
+def test_bad_input_one_line_exit_2(bad_models, bad_input_runs, args, message):
+    r = bad_input_runs[tuple(args)]
     assert r.returncode == 2
     assert r.stderr == f"dyno: error: {message.format(root=bad_models)}\n"
     assert r.stdout == ""
