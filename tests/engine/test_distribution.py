@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
-from scipy.stats import chi2
+from scipy.stats import chi2, ncx2
 
 from helpers import tiny_models
 from helpers.distribution import (FALSE_ALARM, chi_square, exact_joint, mlx_lm_probs, mlx_lm_scores,
@@ -97,6 +97,11 @@ def test_warp_treats_verify_rows_like_single_rows():
 
 # ---- the first three tokens, against their exact joint (float32 model) ----
 
+def shadow_q(p):
+    support = (p > 0) / (p > 0).sum()
+    return 0.8 * support + 0.2 * np.roll(p, 1)
+
+
 class ShadowSpeculator(Speculator):
     """Drafts from q: uniform on p's support, plus some mass off it (every ratio p/q occurs); of the
     mixtures of p, uniform and roll(p), the one whose wrong rules stray furthest from p."""
@@ -105,9 +110,7 @@ class ShadowSpeculator(Speculator):
         context = self.context + self.generated
         drafts, probs = [], []
         for _ in range(k):
-            p = target_dist(self.lm, context + drafts)
-            support = (p > 0) / (p > 0).sum()
-            q = 0.8 * support + 0.2 * np.roll(p, 1)
+            q = shadow_q(target_dist(self.lm, context + drafts))
             d = mx.random.categorical(mx.log(mx.array(q)), key=self._split()).item()
             drafts.append(d)
             probs.append(q)
@@ -140,6 +143,39 @@ def test_first_tokens_follow_the_model(tiny_lm, name, drafter):
     assert stat < chi2.isf(FALSE_ALARM, dof), (stat, dof)
     if drafter == "shadow":
         assert accepted > 0.5 * n  # the accept branch was exercised, not only corrections
+
+
+def wrong_step(p, q, rule):
+    """A drafted token's distribution under a wrong rule: keeping it with min(1, 2p/q), or drawing the
+    correction from p instead of normalize(max(p - q, 0))."""
+    ratio = np.divide(p, q, out=np.zeros_like(p), where=q > 0)
+    kept = q * np.minimum(1.0, (2.0 if rule == "2p/q" else 1.0) * ratio)
+    residual = np.maximum(p - q, 0)
+    return kept + (1 - kept.sum()) * (p if rule == "from-p" else residual / residual.sum())
+
+
+@pytest.mark.parametrize("rule", ["2p/q", "from-p"])
+def test_the_shadow_samples_catch_the_wrong_rules(tiny_lm, rule):
+    """SAMPLES["shadow"] suffices: the shadow test fails a wrong rule with probability >= 0.9 (0.95 and
+    0.97 now), by the noncentral chi-square over chi_square's cells of the rule's exact joint. Each
+    token after the first is one drafted step: a round's second draft is judged given the first."""
+    lm = tiny_lm("tied-gqa2")
+    prompt = lm.tokenizer.encode("x = ")
+    joint, n = exact_joint(lm, prompt), SAMPLES["shadow"]
+
+    def step(context):
+        p = target_dist(lm, context)
+        return wrong_step(p, shadow_q(p), rule)
+
+    p1 = target_dist(lm, prompt)
+    wrong = {(a, b, c): p1[a] * step(prompt + [a])[b] * step(prompt + [a, b])[c] for a, b, c in joint}
+    big = [c for c, p in joint.items() if p * n >= 5]
+    right, got = [joint[c] for c in big], [wrong[c] for c in big]
+    if (1 - sum(right)) * n >= 5:  # the pooled cell, as chi_square makes it
+        right, got = right + [1 - sum(right)], got + [1 - sum(got)]
+    right, got = np.array(right), np.array(got)
+    noncentrality, dof = n * ((got - right) ** 2 / right).sum(), len(right) - 1
+    assert ncx2.sf(chi2.isf(FALSE_ALARM, dof), dof, noncentrality) >= 0.9, (noncentrality, dof)
 
 
 # ---- six tokens over several rounds: bf16 and quantized models, filters and processors ----
