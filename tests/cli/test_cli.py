@@ -137,10 +137,15 @@ def test_generate_with_an_automatic_draft_vocabulary_is_plain_greedy():
     assert out["full"]["speculative"]["draft_vocab"] is None and "draft vocabulary" not in runs["auto"].stderr
 
 
-@pytest.mark.parametrize("command", [["serve"], ["bench"], ["app.py"]])
-def test_a_bad_draft_vocabulary_is_one_line_exit_2_everywhere(command):
-    args = ["--draft-vocab", "most"]
-    r = python("app.py", *args) if command == ["app.py"] else dyno(*command, *args)
+@pytest.fixture(scope="module")
+def bad_vocab_runs():
+    """`dyno serve` and `dyno bench` with a bad draft vocabulary, in one subprocess (dyno_each)."""
+    return dict(zip(("serve", "bench"), dyno_each([[c, "--draft-vocab", "most"] for c in ("serve", "bench")])))
+
+
+@pytest.mark.parametrize("command", ["serve", "bench", "app.py"])
+def test_a_bad_draft_vocabulary_is_one_line_exit_2_everywhere(bad_vocab_runs, command):
+    r = python("app.py", "--draft-vocab", "most") if command == "app.py" else bad_vocab_runs[command]
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == "dyno: error: draft vocabulary must be a number of tokens >= 1, auto or full, got 'most'\n"
 
