@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
-from scipy.stats import chi2
+from scipy.stats import chi2, ncx2
 
 from helpers import tiny_models
 from helpers.distribution import (FALSE_ALARM, chi_square, exact_joint, image_target_dist, mlx_lm_probs,
@@ -24,10 +24,13 @@ from speculative.sampling import warp
 
 pytestmark = pytest.mark.slow
 
-# 4000 samples make a wrong rule visible: accepting with 2p/q scored ~150 and drawing the
-# correction from p instead of the residual ~82 against a critical value of ~76 (27 cells).
+# 2500 samples make a wrong rule visible (the shadow q below): accepting with 2p/q scores ~105 and
+# drawing the correction from p instead of the residual ~111 on average, against a critical value of
+# ~76 (27 cells): caught with probability 0.95 and 0.97 (noncentral chi-square over the wrong rules'
+# exact joints; these seeds scored 105 and 81, the right rule 29). The earlier q, 0.3p + 0.6 uniform
+# + 0.1 roll(p), needed 4000 samples and caught the residual error with probability 0.60 (~81).
 DRAFT_VOCAB = 160  # of the tiny models' 320
-SAMPLES = {"shadow": 4000, "mtp-head": 600, "draft-vocab": 600}
+SAMPLES = {"shadow": 2500, "mtp-head": 600, "draft-vocab": 600}
 
 
 # ---- the warp is mlx-lm's sampling distribution, in the logits' dtype ----
@@ -94,8 +97,14 @@ def test_warp_treats_verify_rows_like_single_rows():
 
 # ---- the first three tokens, against their exact joint (float32 model) ----
 
+def shadow_q(p):
+    support = (p > 0) / (p > 0).sum()
+    return 0.8 * support + 0.2 * np.roll(p, 1)
+
+
 class ShadowSpeculator(Speculator):
-    """Drafts from q: flatter than p on p's support, plus some mass off it (every ratio p/q occurs)."""
+    """Drafts from q: uniform on p's support, plus some mass off it (every ratio p/q occurs); of the
+    mixtures of p, uniform and roll(p), the one whose wrong rules stray furthest from p."""
 
     def dist(self, tokens):
         return target_dist(self.lm, tokens)
@@ -104,17 +113,17 @@ class ShadowSpeculator(Speculator):
         context = self.context + self.generated
         drafts, probs = [], []
         for _ in range(k):
-            p = self.dist(context + drafts)
-            support = (p > 0) / (p > 0).sum()
-            q = 0.3 * p + 0.6 * support + 0.1 * np.roll(p, 1)
+            q = shadow_q(self.dist(context + drafts))
             d = mx.random.categorical(mx.log(mx.array(q)), key=self._split()).item()
             drafts.append(d)
             probs.append(q)
         return mx.array(drafts), mx.array(np.stack(probs).astype(np.float32))
 
 
-@pytest.mark.parametrize("name, drafter", [("tied-gqa2", "shadow"), ("tied-gqa2", "mtp-head"),
-                                           ("moe-fused", "mtp-head"), ("tied-gqa2", "draft-vocab")])
+# The real head's draft path once per projection: the full vocabulary (on the MoE model) and a draft
+# subset (on the dense one); the dense model with its full vocabulary would repeat both.
+@pytest.mark.parametrize("name, drafter", [("tied-gqa2", "shadow"), ("moe-fused", "mtp-head"),
+                                           ("tied-gqa2", "draft-vocab")])
 def test_first_tokens_follow_the_model(tiny_lm, name, drafter):
     lm = tiny_lm(name)
     prompt = lm.tokenizer.encode("x = ")
@@ -189,6 +198,39 @@ def test_first_tokens_with_an_image_follow_the_model(image_case, drafter):
     assert drafted >= n  # every sample drafted past the image
     if drafter == "shadow":
         assert accepted > 0.5 * n  # the accept branch was exercised, not only corrections
+
+
+def wrong_step(p, q, rule):
+    """A drafted token's distribution under a wrong rule: keeping it with min(1, 2p/q), or drawing the
+    correction from p instead of normalize(max(p - q, 0))."""
+    ratio = np.divide(p, q, out=np.zeros_like(p), where=q > 0)
+    kept = q * np.minimum(1.0, (2.0 if rule == "2p/q" else 1.0) * ratio)
+    residual = np.maximum(p - q, 0)
+    return kept + (1 - kept.sum()) * (p if rule == "from-p" else residual / residual.sum())
+
+
+@pytest.mark.parametrize("rule", ["2p/q", "from-p"])
+def test_the_shadow_samples_catch_the_wrong_rules(tiny_lm, rule):
+    """SAMPLES["shadow"] suffices: the shadow test fails a wrong rule with probability >= 0.9 (0.95 and
+    0.97 now), by the noncentral chi-square over chi_square's cells of the rule's exact joint. Each
+    token after the first is one drafted step: a round's second draft is judged given the first."""
+    lm = tiny_lm("tied-gqa2")
+    prompt = lm.tokenizer.encode("x = ")
+    joint, n = exact_joint(lm, prompt), SAMPLES["shadow"]
+
+    def step(context):
+        p = target_dist(lm, context)
+        return wrong_step(p, shadow_q(p), rule)
+
+    p1 = target_dist(lm, prompt)
+    wrong = {(a, b, c): p1[a] * step(prompt + [a])[b] * step(prompt + [a, b])[c] for a, b, c in joint}
+    big = [c for c, p in joint.items() if p * n >= 5]
+    right, got = [joint[c] for c in big], [wrong[c] for c in big]
+    if (1 - sum(right)) * n >= 5:  # the pooled cell, as chi_square makes it
+        right, got = right + [1 - sum(right)], got + [1 - sum(got)]
+    right, got = np.array(right), np.array(got)
+    noncentrality, dof = n * ((got - right) ** 2 / right).sum(), len(right) - 1
+    assert ncx2.sf(chi2.isf(FALSE_ALARM, dof), dof, noncentrality) >= 0.9, (noncentrality, dof)
 
 
 # ---- six tokens over several rounds: bf16 and quantized models, filters and processors ----
