@@ -5,7 +5,7 @@ the specs are the engine's own terms, so each API translates its request fields 
 
 llguidance compiles the grammar against the model's vocabulary and answers, for a generated
 prefix, which tokens keep the output inside the grammar; every other token gets -inf, and EOS is
-allowed only where the grammar accepts. Like the penalties (processors.py), the mask is a function
+allowed only where the grammar accepts. Like the penalties (round/processors.py), the mask is a function
 of the generated tokens only, so the engine applies it to draft rows and verify rows alike and
 drafting stays exact. The matcher under it is stateful: asked about a prefix, it rolls back to
 the longest prefix it shares with the one it holds and consumes the rest, so checking k drafts and

@@ -15,7 +15,8 @@
   count, drafts]; every rank continues from rank 0's count and tokens, so caches cannot drift
   (a rank whose float rounding differed would still keep what rank 0 decided). Drafts must match
   rank 0's, since the verify pass already embedded them: a mismatch (mixed hardware) is an error.
-- Sampling: the seed is drawn once, on rank 0, and travels with the order (`Order`); every rank derives
+- Sampling: an unseeded request's random seed is drawn once, on rank 0, and travels with the order
+  (`Order.rng_seed`, apart from the request's own `seed`, so it keeps the lossless rule); every rank derives
   the same keys from it and rank 0's acceptance draw is the one every rank keeps, so the draws are
   one process's with that seed (pipeline logits are bit for bit one process's; tensor all-sums
   round differently in the last bits).
@@ -315,12 +316,15 @@ class Order:
     spec: SpecConfig = SpecConfig()
     prefill_step: int = engine.PREFILL_STEP
     kind: str = "generate"  # or "ping" (keep followers' idle deadline) or "stop" (followers return)
+    # An unseeded request's random seed, drawn on rank 0 so that every rank draws alike. Not the
+    # request's `seed`: a seed asks for plain mlx-lm's text (the coupled rule, which accepts less).
+    rng_seed: Optional[int] = None
 
     def encode(self) -> bytes:
         try:
             return json.dumps({"prompt": list(self.prompt), "params": dataclasses.asdict(self.params),
                                "spec": dataclasses.asdict(self.spec), "prefill_step": self.prefill_step,
-                               "kind": self.kind}).encode()
+                               "kind": self.kind, "rng_seed": self.rng_seed}).encode()
         except TypeError as e:  # a setting that is not plain data cannot travel to the other ranks
             raise DynoError(f"this request cannot be shared across ranks: {one_line(e)}") from None
 
@@ -331,12 +335,27 @@ class Order:
         if params.get("logit_bias"):
             params["logit_bias"] = tuple(tuple(pair) for pair in params["logit_bias"])
         return cls(tuple(d["prompt"]), SamplingParams(**params), SpecConfig(**d["spec"]), d["prefill_step"],
-                   d["kind"])
+                   d["kind"], d["rng_seed"])
 
 
-def with_seed(params: SamplingParams) -> SamplingParams:
-    """`params` with a seed: one drawn here (rank 0) when it has none, for every rank to use."""
-    return params if params.seed is not None else dataclasses.replace(params, seed=random.getrandbits(32))
+def order_for(prompt: Sequence[int], params: SamplingParams, spec: SpecConfig, prefill_step: int) -> Order:
+    """Rank 0's order for one generation: an unseeded request gets a random seed drawn here."""
+    return Order(tuple(prompt), params, spec, prefill_step,
+                 rng_seed=random.getrandbits(32) if params.seed is None else None)
+
+
+def runner_for(order: Order):
+    """engine.generate's runner for `order`: the default one, its random draws from the order's seed."""
+
+    def make(lm, params, spec, prefill_step):
+        runner = engine.default_runner(lm, params, spec, prefill_step)
+        if order.rng_seed is not None:
+            mx.random.seed(order.rng_seed)  # plain decoding samples from MLX's global generator
+            if isinstance(runner, engine.Speculator):
+                runner.key = mx.random.key(order.rng_seed)  # its drafts' and acceptance draws
+        return runner
+
+    return make
 
 
 def _settle() -> None:
@@ -372,7 +391,8 @@ def _prefill_allowance(ranks: Ranks, order: Order) -> float:
 def _run(lm: LoadedModel, order: Order) -> Iterator:
     """The order's events on this rank, under the group's deadline; ends quietly on rank 0's halt."""
     ranks = lm.ranks
-    events = engine.generate(lm, list(order.prompt), order.params, order.spec, prefill_step=order.prefill_step)
+    events = engine.generate(lm, list(order.prompt), order.params, order.spec, prefill_step=order.prefill_step,
+                             runner=runner_for(order))
     with ranks.guarded(_prefill_allowance(ranks, order)):
         try:
             yield from events
@@ -382,13 +402,13 @@ def _run(lm: LoadedModel, order: Order) -> Iterator:
 
 def generate(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams, spec: SpecConfig = SpecConfig(),
              prefill_step: int = engine.PREFILL_STEP) -> Iterator:
-    """Rank 0: engine.generate across the group. The order (seed drawn here when none is given) goes
+    """Rank 0: engine.generate across the group. The order (a random seed drawn here when none is given) goes
     to the followers (`follow`), then every rank runs it; this rank's events come back. Closing the
     stream early (stop string, cancel) runs one more round so that the followers stop with it
     (plain decoding has no agreement to carry that: it runs to EOS or max_tokens). No prefix
     cache: each rank's would evict by its own shard's bytes, and the ranks' caches must match."""
     ranks = lm.ranks
-    order = share(ranks, Order(tuple(prompt), with_seed(params), spec, prefill_step))
+    order = share(ranks, order_for(prompt, params, spec, prefill_step))
     events = _run(lm, order)
     finished = False
     try:

@@ -1,7 +1,7 @@
 """A thinking budget: at most `budget` tokens of the model's own inside a <think> block, then the
 block is closed with Qwen's closing phrase, forced token by token.
 
-The rule is a logits processor and a function of the generated tokens alone (processors.py): the
+The rule is a logits processor and a function of the generated tokens alone (round/processors.py): the
 current block is found from where the last </think> and the <think>s around it stand, so a draft
 row and a verify row see exactly what plain decoding would see at that position, and a rejected
 draft leaves nothing to roll back. A block opens at a <think> (or is open from the start when the

@@ -3,7 +3,7 @@
     python tools/draft_warp.py [--model assets/dyno-tiny] [--temps 0.6 1.0] [--max-tokens 200]
 
 The lossless rule is exact for any draft distribution q it is told, so the drafts may skip top-p's
-sort of the whole vocabulary when top-k already bounds the support (speculative/sampling.py,
+sort of the whole vocabulary when top-k already bounds the support (speculative/round/sampling.py,
 `draft_params`). This measures what that costs in acceptance: every prompt of the four bench
 suites, plain mlx-lm's continuation (top-p 0.95, top-k 20, seed 0), one trunk pass and one head
 pass over it, and at every continuation position the probability sum(min(p, q)) that the rule

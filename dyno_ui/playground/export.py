@@ -44,6 +44,14 @@ def _settings_line(meta: Mapping) -> str:
             f"{html.escape(settings)}</p>")
 
 
+def _prompt_lines(meta: Mapping) -> str:
+    """The prompt's text, and its images by name, digest and patch grid (the bytes stay out of the file)."""
+    out = f"<p><b>Prompt:</b> {html.escape(meta['prompt'])}</p>" if meta.get("prompt") else ""
+    images = "; ".join(f"{i['name']} (sha256 {i['sha256'][:12]}…, grid {'x'.join(map(str, i['grid']))})"
+                       for i in meta.get("images") or ())
+    return out + (f"<p><b>Images:</b> {html.escape(images)}</p>" if images else "")
+
+
 def _page(title: str, body: str) -> str:
     css = (ASSETS / "dyno.css").read_text()
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
@@ -54,7 +62,7 @@ def _page(title: str, body: str) -> str:
 def answer_html_file(trace: Trace, meta: Mapping) -> str:
     """The answer page: coloured tokens with rejected drafts, hover cards, stats, charts, model and settings."""
     body = (f"<h1>Dyno answer</h1>{_settings_line(meta)}"
-            + (f"<p><b>Prompt:</b> {html.escape(meta['prompt'])}</p>" if meta.get("prompt") else "")
+            + _prompt_lines(meta)
             + render.legend_html() + TOGGLE + render.answer_html(trace, rejected=True) + render.stats_line(trace)
             + '<div class="dyno-export-charts">'
             + _figures([charts.rounds_figure(trace), charts.positions_figure(trace), charts.histogram_figure(trace)])
@@ -65,7 +73,7 @@ def answer_html_file(trace: Trace, meta: Mapping) -> str:
 def race_html_file(spec: Trace, plain: Trace, summary: str, meta: Mapping) -> str:
     """The race page: the summary line, both answers side by side, the race chart."""
     body = (f"<h1>Dyno race: MTP drafting against plain decoding</h1>{_settings_line(meta)}"
-            + (f"<p><b>Prompt:</b> {html.escape(meta['prompt'])}</p>" if meta.get("prompt") else "")
+            + _prompt_lines(meta)
             + summary + render.legend_html() + TOGGLE
             + '<div class="race-cols"><div><div class="race-label race-mtp">MTP speculative</div>'
             + render.answer_html(spec, rejected=True) + '</div><div><div class="race-label race-plain">plain decoding</div>'

@@ -10,11 +10,12 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from speculative.config import SamplingParams, SpecConfig
 from speculative.errors import DynoError
 from speculative.loader.source import ModelSource, cache_repo_id, is_repo_id
+from speculative.loader.vision import ProcessedImages, checked_vision, process_images
 
 from ..paths import local_folders
 from ..runtime.keys import key_matches
@@ -75,14 +76,24 @@ class Sessions:
             raise DynoError(f"cannot apply the chat template: {e}") from None
         return list(ids)
 
+    def with_images(self, ids: List[int], files: Sequence[str], lm=None) -> Tuple[List[int], Optional[ProcessedImages]]:
+        """(token ids with each image placeholder widened to its rows, the processed images) for a prompt
+        whose placeholders stand for the image `files` in order; (ids, None) without files. A model that
+        takes no images, and a bad image, are DynoErrors saying what is wrong (checked as the API checks them)."""
+        if not files:
+            return ids, None
+        vision = checked_vision(lm or self.lm)
+        return process_images(vision, ids, image_files(files, self.served.images.limits), self.served.images.limits)
+
     # ---- generating ----------------------------------------------------------------------
 
     def stream(self, prompt: List[int], params: SamplingParams, spec: SpecConfig,
-               session: Optional[str], lm=None) -> Iterator[Trace]:
-        """Run one traced job; yield its Trace every FRAME_S and once finished. Leaving early stops it."""
+               session: Optional[str], lm=None, images: Optional[ProcessedImages] = None) -> Iterator[Trace]:
+        """Run one traced job (`images`: the prompt's, from with_images); yield its Trace every FRAME_S and
+        once finished. Leaving early stops it."""
         inbox: "queue.Queue[object]" = queue.Queue()
         lm = lm or self.lm
-        job = chat_job(lm, prompt, params, [], inbox.put, spec=spec, trace=True)
+        job = chat_job(lm, prompt, params, [], inbox.put, spec=spec, trace=True, images=images)
         trace = Trace(job.submitted_at, decode=lm.tokenizer.decode)  # decode: refused drafts' text
         if session is not None:
             self.running[session] = job
@@ -208,3 +219,16 @@ class Sessions:
         head = (f"MTP head: {format_bytes(memory.bytes)}, {memory.precision}, from `{memory.source}`, draft depth "
                 f"{worker.spec.draft_depth}") if memory is not None else "no MTP head: plain decoding"
         return f"**{lm.name}** · `{lm.path}`  \n{head}  \n{mlx_mem} · process peak RSS {rss:.0f} MiB"
+
+
+def image_files(paths: Sequence[str], limits) -> List[bytes]:
+    """The bytes of uploaded image files, in order; one over the byte limit is refused before it is read."""
+    if len(paths) > limits.max_images:
+        raise DynoError(f"{len(paths)} images in the conversation, over the limit of {limits.max_images}")
+    out = []
+    for i, path in enumerate(paths, 1):
+        size = Path(path).stat().st_size
+        if size > limits.max_bytes:
+            raise DynoError(f"image {i} is {size} bytes, over the limit of {limits.max_bytes}")
+        out.append(Path(path).read_bytes())
+    return out

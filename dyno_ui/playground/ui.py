@@ -23,6 +23,7 @@ from speculative.errors import DynoError  # noqa: E402
 
 from . import charts, export, render, replay  # noqa: E402
 from ..runtime.keys import key_matches  # noqa: E402
+from ..runtime.request import IMAGE_PLACEHOLDER  # noqa: E402
 from ..runtime.served import ServedModel  # noqa: E402
 from ..paths import ASSETS  # noqa: E402
 from .sessions import CHART_S, Sessions  # noqa: E402
@@ -87,19 +88,53 @@ def _session(request: Optional[gr.Request]) -> Optional[str]:
     return getattr(request, "session_hash", None)
 
 
+# The chat and compare boxes: text, and images uploaded, dropped or pasted (Gradio's paste handler
+# turns a pasted image into an upload). Long pasted text stays text, not a .txt file.
+IMAGE_BOX = dict(sources=["upload"], file_types=["image"], file_count="multiple", submit_btn=False,
+                 max_plain_text_length=10**7)
+
+
 def _display(history: List[dict]) -> List[dict]:
-    """Chatbot messages for the history: reasoning as a collapsible "Thinking" message."""
+    """Chatbot messages for the history: a user's images before their text (as the prompt has them),
+    reasoning as a collapsible "Thinking" message."""
     out = []
     for m in history:
         if m.get("reasoning"):
             out.append({"role": "assistant", "content": m["reasoning"], "metadata": {"title": "Thinking"}})
-        out.append({"role": m["role"], "content": m["content"]})
+        images = [{"path": f, "alt_text": Path(f).name} for f in m.get("images", ())]
+        content = images + ([m["content"]] if m["content"] else []) if images else m["content"]
+        out.append({"role": m["role"], "content": content})
     return out
+
+
+def _with_placeholders(text: str, images) -> str:
+    """A message's text for the chat template: one placeholder per image, before the text (as the CLI puts them)."""
+    return IMAGE_PLACEHOLDER * len(images) + text
 
 
 def _template(history: List[dict], system: str) -> List[dict]:
     msgs = [{"role": "system", "content": system}] if system.strip() else []
-    return msgs + [{"role": m["role"], "content": m["content"]} for m in history]
+    return msgs + [{"role": m["role"], "content": _with_placeholders(m["content"], m.get("images", ()))}
+                   for m in history]
+
+
+def _images(history: List[dict]) -> List[str]:
+    """Every image file of the conversation, in prompt order."""
+    return [f for m in history for f in m.get("images", ())]
+
+
+def _box(value: Optional[dict]) -> tuple:
+    """(text, image files) of a MultimodalTextbox value ({"text": ..., "files": [paths]})."""
+    value = value or {}
+    return value.get("text") or "", list(value.get("files") or ())
+
+
+def _image_meta(files: List[str], images) -> List[dict]:
+    """What an export records of the prompt's images: file name, sha256 of the bytes, patch grid."""
+    if images is None:
+        return []
+    return [{"name": Path(f).name, "sha256": d, "grid": list(g)}
+            for f, d, g in zip(files, images.digests, images.grids)]
 
 
 def build(served: ServedModel, api_key: Optional[str] = None) -> gr.Blocks:
@@ -131,7 +166,7 @@ def _sampling_controls(d, prefix: str) -> dict:
     c["min_p"] = gr.Slider(0, 1, value=d.min_p, step=0.01, label="min-p")
     c["max_tokens"] = gr.Slider(1, 4096, value=d.max_tokens, step=1, label="max tokens",
                                 elem_id=f"{prefix}-max-tokens")
-    c["seed"] = gr.Number(value=-1, precision=0, label="seed (-1: random)")
+    c["seed"] = gr.Number(value=-1, precision=0, label="seed (-1: random)", elem_id=f"{prefix}-seed")
     return c
 
 
@@ -145,11 +180,12 @@ def _chat_tab(s: Sessions, d) -> dict:
                                  label="Conversation", feedback_options=None)
             with gr.Row():
                 # lines=1 is what makes Enter submit (Shift+Enter adds a line); max_lines lets the box grow.
-                message = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter adds a line)", show_label=False,
-                                     scale=5, lines=1, max_lines=12, elem_id="chat-input")
+                message = gr.MultimodalTextbox(placeholder="Message (Enter sends, Shift+Enter adds a line); "
+                                               "add, drop or paste images", show_label=False, scale=5, lines=1,
+                                               max_lines=12, elem_id="chat-input", **IMAGE_BOX)
                 send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
-            examples = gr.Examples(EXAMPLES, inputs=[message], label="Examples (what the bundled dyno-tiny is good at)",
-                                   elem_id="chat-examples")
+            examples = gr.Examples([[{"text": e, "files": []}] for e in EXAMPLES], inputs=[message],
+                                   label="Examples (what the bundled dyno-tiny is good at)", elem_id="chat-examples")
             with gr.Row():
                 stop = gr.Button("Stop", variant="stop", elem_id="stop-button", size="sm")
                 regen = gr.Button("Regenerate", elem_id="regenerate", size="sm")
@@ -194,21 +230,28 @@ def _chat_tab(s: Sessions, d) -> dict:
     settings = [system, thinking, mode, depth, details, show_rejected] + [sampling[k] for k in SAMPLING]
     outputs = [chatbot, history, answer, stats] + plots
 
-    def run(history, system, thinking, mode, depth, details, rejected, values, request: Optional[gr.Request]):
-        """Stream the assistant's reply to the last user message of `history`."""
+    def prepare(history, system, thinking, mode, depth, details, values) -> tuple:
+        """The reply's job: (model, prompt ids, its images, params, spec, export metadata); a bad
+        setting or image, or an image for a model without a tower, is a one-line gr.Error."""
         lm = s.lm  # one model for the whole reply
+        files = _images(history)
         try:
-            prompt = s.chat_prompt(_template(history, system), thinking, lm)
+            prompt, images = s.with_images(s.chat_prompt(_template(history, system), thinking, lm), files, lm)
             params = s.params(*values, prompt_len=len(prompt), lm=lm)
             spec = s.spec(mode, depth, lm, details)
         except DynoError as e:
             _fail(e)
-        meta = {"model": lm.name, "prompt": history[-1]["content"],
+        meta = {"model": lm.name, "prompt": history[-1]["content"], "images": _image_meta(files, images),
                 "settings": {"speculative": mode, "draft depth": int(depth), "details": bool(details),
                              **{k: v for k, v in zip(SAMPLING, values)}}}
+        return lm, prompt, images, params, spec, meta
+
+    def run(history, job, rejected, request: Optional[gr.Request]):
+        """Stream the assistant's reply to the last user message of `history` (`job`: prepare's)."""
+        lm, prompt, images, params, spec, meta = job
         charted = 0.0
         trace = Trace(time.perf_counter())
-        for trace in s.stream(prompt, params, spec, _session(request), lm):
+        for trace in s.stream(prompt, params, spec, _session(request), lm, images):
             reply = {"role": "assistant", "content": trace.text(), "reasoning": trace.text("reasoning")}
             now = time.perf_counter()
             shown = history + [reply]
@@ -223,14 +266,17 @@ def _chat_tab(s: Sessions, d) -> dict:
 
     # Explicit parameters, no *args: Gradio injects gr.Request only into named parameters, and Stop
     # finds the running job by the request's session.
-    def submit(text, history, system, thinking, mode, depth, details, rejected, temperature, top_p, top_k, min_p,
+    def submit(box, history, system, thinking, mode, depth, details, rejected, temperature, top_p, top_k, min_p,
                max_tokens, seed, request: gr.Request):
-        if not text.strip():
-            raise gr.Error("Type a message first")
-        history = history + [{"role": "user", "content": text}]
-        yield [gr.skip()] * len(outputs) + [""]
+        text, files = _box(box)
+        if not text.strip() and not files:
+            raise gr.Error("Type a message or add an image first")
+        history = history + [{"role": "user", "content": text, **({"images": files} if files else {})}]
         values = (temperature, top_p, top_k, min_p, max_tokens, seed)
-        for shown in run(history, system, thinking, mode, depth, details, rejected, values, request):
+        # Checked before the box is emptied: a refused message keeps its text and images there.
+        job = prepare(history, system, thinking, mode, depth, details, values)
+        yield [gr.skip()] * len(outputs) + [{"text": "", "files": []}]
+        for shown in run(history, job, rejected, request):
             yield shown + [gr.skip()]
 
     def regenerate(history, system, thinking, mode, depth, details, rejected, temperature, top_p, top_k, min_p,
@@ -240,11 +286,13 @@ def _chat_tab(s: Sessions, d) -> dict:
         if not history:
             raise gr.Error("Nothing to regenerate")
         values = (temperature, top_p, top_k, min_p, max_tokens, seed)
-        yield from run(history, system, thinking, mode, depth, details, rejected, values, request)
+        yield from run(history, prepare(history, system, thinking, mode, depth, details, values), rejected, request)
 
+    # Progress, and a refusal's "Error" mark, on the answer alone: the box stays usable, its image kept.
     for trigger in (send.click, message.submit):
-        trigger(submit, [message, history] + settings, outputs + [message], concurrency_limit=None)
-    regen.click(regenerate, [history] + settings, outputs, concurrency_limit=None)
+        trigger(submit, [message, history] + settings, outputs + [message], concurrency_limit=None,
+                show_progress_on=[answer])
+    regen.click(regenerate, [history] + settings, outputs, concurrency_limit=None, show_progress_on=[answer])
     def stop_job(request: gr.Request):
         s.stop(_session(request))
 
@@ -327,8 +375,8 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
                 "and sampling, repeated to show the median speedup; then the median run replayed side by side "
                 "on a shared timeline.")
     with gr.Row():
-        prompt = gr.Textbox(label="Prompt", lines=2, scale=4, elem_id="compare-prompt",
-                            value=EXAMPLES[0])
+        prompt = gr.MultimodalTextbox(label="Prompt (text, and images added, dropped or pasted)", lines=2, scale=4,
+                                      elem_id="compare-prompt", value={"text": EXAMPLES[0], "files": []}, **IMAGE_BOX)
         with gr.Column(scale=1, min_width=200):
             depth = gr.Slider(1, MAX_DRAFT_DEPTH, value=s.served.worker.spec.draft_depth, step=1,
                               label="draft depth (starts at auto's choice)", info=depth_info(s.served.worker.lm),
@@ -353,17 +401,19 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
     files = gr.File(label="Exported race", file_count="multiple", elem_id="export-race-files", interactive=False,
                     visible=False)
 
-    def compare(text, depth, runs_wanted, temperature, top_p, top_k, min_p, max_tokens, seed, request: gr.Request):
+    def compare(box, depth, runs_wanted, temperature, top_p, top_k, min_p, max_tokens, seed, request: gr.Request):
         values = (temperature, top_p, top_k, min_p, max_tokens, seed)
-        if not text.strip():
-            raise gr.Error("Type a prompt first")
+        text, files = _box(box)
+        if not text.strip() and not files:
+            raise gr.Error("Type a prompt or add an image first")
         if not 1 <= int(runs_wanted) <= MAX_REPEATS:
             raise gr.Error(f"runs must be from 1 to {MAX_REPEATS}, got {runs_wanted}")
         lm = s.lm  # one model for every run
         if lm.head is None:
             raise gr.Error(f"{lm.name} has no MTP head: nothing to compare")
         try:
-            ids = s.chat_prompt([{"role": "user", "content": text}], False, lm)
+            ids, images = s.with_images(s.chat_prompt([{"role": "user", "content": _with_placeholders(text, files)}],
+                                                      False, lm), files, lm)
             params = s.params(*values, prompt_len=len(ids), lm=lm)
         except DynoError as e:
             _fail(e)
@@ -372,7 +422,7 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
         for n in range(1, int(runs_wanted) + 1):
             runs = {}
             for name, mode in (("mtp", "mtp"), ("plain", "off")):
-                for trace in s.stream(ids, params, s.spec(mode, depth, lm), _session(request), lm):
+                for trace in s.stream(ids, params, s.spec(mode, depth, lm), _session(request), lm, images):
                     status = f'<div class="dyno-stats">run {n} of {int(runs_wanted)}, {name}: {len(trace.token_ids)} tokens…</div>'
                     yield status, gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 if trace.finish_reason == "cancelled" or trace.error:
@@ -388,8 +438,9 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
         why = ""
         median = statistics.median(speedups) if speedups else None
         if median is not None and median < 1 and spec.tokens_per_round:
+            # (timed over the ids as text: a round's cost does not depend on what the image rows hold)
             why = _cost_note(s, lm, ids, int(depth), spec.tokens_per_round, median)
-        meta = {"model": lm.name, "prompt": text, "settings": {
+        meta = {"model": lm.name, "prompt": text, "images": _image_meta(files, images), "settings": {
             "draft depth": int(depth), "auto depth": auto_depth, "runs": len(pairs),
             **{k: v for k, v in zip(SAMPLING, values)}}}
         s.keep(_session(request), "race", (spec, plain, result + why, meta,

@@ -335,8 +335,8 @@ class EngineWorker:
                 break
 
     def run_alone(self, job: Job) -> None:
-        """One request served by itself: serial mode's every job, and in batched mode a prompt with images
-        (not yet a row of a batch: the batch waits while it decodes)."""
+        """One request served by itself: serial mode's every job, and in plain batched mode a prompt with
+        images or a seeded sampled request (not rows of a batch yet: the batch waits while it decodes)."""
         self.running[id(job)] = job
         self.metrics.set_width(1)
         try:
@@ -555,12 +555,12 @@ class EngineWorker:
                 continue
             if self.stale(job):
                 continue
-            if job.images is not None:
+            p = job.params
+            # BatchGenerator samples every row from one generator, so a seeded sampled request would
+            # neither give mlx-lm's text for its seed nor leave the others' draws alone: it runs by itself.
+            if job.images is not None or (p.seed is not None and not p.greedy):
                 self.run_alone(job)
                 continue
-            p = job.params
-            if p.seed is not None:  # one RNG serves the whole batch: a seed orders it, no more
-                mx.random.seed(p.seed)
             job.stats = GenerationStats()
             job.started_at = time.perf_counter()
             resume = None

@@ -88,14 +88,24 @@ def ui_body_allowed(path: str, content_type: str) -> bool:
     return kind in UI_BODY_TYPES or kind == LOGIN_FORM and path.endswith("/login")
 
 
+def same_origin(origin: str, host: str) -> bool:
+    """True when a browser's Origin header names the site the request was sent to (scheme aside:
+    this server speaks plain HTTP, and a proxy in front may add TLS)."""
+    return origin.partition("://")[2].rstrip("/").lower() == host.lower()
+
+
 class LocalGuard:
     """ASGI middleware: a request whose Host names no address of this server (a page whose DNS name
     was rebound to it) gets a 403; a POST outside the API (the playground) whose body is neither JSON
-    nor an upload, which a page can send without a CORS preflight, gets a 415. The API's routes check
-    their bodies' type themselves (server/errors.py read_request)."""
+    nor an upload, which a page can send without a CORS preflight, gets a 415, and one (or a websocket)
+    from another site's page (its Origin neither this server nor an allowed origin) a 403: a form
+    upload needs no preflight either. The API's routes check their bodies' type themselves
+    (server/errors.py read_request) and CORS keeps their answers from other sites."""
 
-    def __init__(self, app, bound: str, allowed_hosts: Sequence[str], envelope_for: Chooser):
+    def __init__(self, app, bound: str, allowed_hosts: Sequence[str], envelope_for: Chooser,
+                 allowed_origins: Sequence[str] = ()):
         self.app, self.bound, self.allowed = app, bound, tuple(allowed_hosts)
+        self.origins = tuple(allowed_origins)
         self.envelope_for = envelope_for
 
     async def __call__(self, scope, receive, send):
@@ -110,6 +120,12 @@ class LocalGuard:
         elif (scope["type"] == "http" and scope["method"] == "POST" and not under(scope["path"], API_PREFIX)
               and not ui_body_allowed(scope["path"], headers.get("content-type", ""))):
             err = ApiError(415, "The request body must be JSON or a file upload", code="unsupported_media_type")
+        elif ((scope["type"] == "websocket" or scope["method"] == "POST") and not under(scope["path"], API_PREFIX)
+              and (origin := headers.get("origin")) is not None and not same_origin(origin, headers.get("host", ""))
+              and "*" not in self.origins and origin not in self.origins):
+            err = ApiError(403, f"A page of {origin} cannot drive this server's playground; to let it, start "
+                                f"the server with --allowed-origins {origin}", kind="permission_error",
+                           code="origin_not_allowed")
         if err is None:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
@@ -130,7 +146,8 @@ def add_access(app: FastAPI, api_key: Optional[str], allowed_origins: Sequence[s
         # Any request header: the origins are the gate, and the SDKs send headers of their own (x-stainless-*).
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"])
-    app.add_middleware(LocalGuard, bound=bound, allowed_hosts=allowed_hosts, envelope_for=envelope_for)
+    app.add_middleware(LocalGuard, bound=bound, allowed_hosts=allowed_hosts, envelope_for=envelope_for,
+                       allowed_origins=allowed_origins)
 
 
 def is_loopback(host: str) -> bool:

@@ -28,6 +28,18 @@ def unknown_fields(value: Any, where: Tuple = ()) -> Iterator[str]:
             yield from unknown_fields(v, (*where, i))
 
 
+# Field names come from clients: the counter keeps this many distinct paths (the rest count as OTHER)
+# and the log line names this many, so no request can grow the server's memory or its log unbounded.
+MAX_PATHS = 256
+MAX_LOGGED = 16
+MAX_PATH_CHARS = 120
+OTHER = "(other)"
+
+
+def _short(path: str) -> str:
+    return path if len(path) <= MAX_PATH_CHARS else path[: MAX_PATH_CHARS - 3] + "..."
+
+
 class IgnoredFields:
     """How often each unknown field was ignored, by path with list indices as `*`, for /stats."""
 
@@ -39,12 +51,16 @@ class IgnoredFields:
         """Log and count the unknown fields of `request`, sent to `route`; returns their paths."""
         paths = list(dict.fromkeys(unknown_fields(request)))
         if paths:
-            log.info("dyno: %s: ignored unknown fields: %s", route, ", ".join(paths))
+            named = ", ".join(_short(p) for p in paths[:MAX_LOGGED])
+            more = f" and {len(paths) - MAX_LOGGED} more" if len(paths) > MAX_LOGGED else ""
+            log.info("dyno: %s: ignored unknown fields: %s%s", route, named, more)
             with self._lock:
-                self._counts.update(re.sub(r"\.\d+(?=\.|$)", ".*", p) for p in paths)
+                for key in (_short(re.sub(r"\.\d+(?=\.|$)", ".*", p)) for p in paths):
+                    known = key in self._counts or len(self._counts) < MAX_PATHS
+                    self._counts[key if known else OTHER] += 1
         return paths
 
     def as_json(self) -> dict:
-        """{"total": fields ignored, "by_field": {path: count}}."""
+        """{"total": fields ignored, "by_field": {path: count}}, at most MAX_PATHS + 1 paths."""
         with self._lock:
             return {"total": sum(self._counts.values()), "by_field": dict(sorted(self._counts.items()))}

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from helpers.run import dyno, launched_dyno, python
+from helpers.run import dyno, dyno_each, launched_dyno, python
 
 from helpers import tiny_models
 from helpers.reference import plain_greedy
@@ -72,7 +72,7 @@ def bad_models(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["--model", "{root}/missing"], "model path not found: {root}/missing"),
     (["--model", "{root}/empty"], "not a model folder (no config.json): {root}/empty"),
     (["--model", "{root}/broken"], "model config {root}/broken/config.json is not valid JSON: "
@@ -96,12 +96,25 @@ def bad_models(tmp_path_factory):
     (["--model", "{root}/nohead", "--draft-vocab", "most"],
      "draft vocabulary must be a number of tokens >= 1, auto or full, got 'most'"),
     (["--model", "{root}/nohead", "--prompt", ""], "the prompt is empty"),
-])
-def test_bad_input_one_line_exit_2(bad_models, args, message):
-    args = [a.format(root=bad_models) for a in args]
-    if "--prompt" not in args:
-        args += ["--prompt", "hello"]
-    r = dyno("generate", *args)
+]
+
+
+def bad_generate(args, root):
+    args = [a.format(root=root) for a in args]
+    return ["generate", *args, *([] if "--prompt" in args else ["--prompt", "hello"])]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(bad_models):
+    """Each BAD_INPUT command's result, by its arguments: all run in one subprocess (helpers.run.dyno_each),
+    one interpreter start-up and MLX import instead of one per case."""
+    runs = dyno_each([bad_generate(args, bad_models) for args, _ in BAD_INPUT])
+    return {tuple(args): r for (args, _), r in zip(BAD_INPUT, runs)}
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT)
+def test_bad_input_one_line_exit_2(bad_models, bad_input_runs, args, message):
+    r = bad_input_runs[tuple(args)]
     assert r.returncode == 2
     assert r.stderr == f"dyno: error: {message.format(root=bad_models)}\n"
     assert r.stdout == ""
@@ -124,10 +137,15 @@ def test_generate_with_an_automatic_draft_vocabulary_is_plain_greedy():
     assert out["full"]["speculative"]["draft_vocab"] is None and "draft vocabulary" not in runs["auto"].stderr
 
 
-@pytest.mark.parametrize("command", [["serve"], ["bench"], ["app.py"]])
-def test_a_bad_draft_vocabulary_is_one_line_exit_2_everywhere(command):
-    args = ["--draft-vocab", "most"]
-    r = python("app.py", *args) if command == ["app.py"] else dyno(*command, *args)
+@pytest.fixture(scope="module")
+def bad_vocab_runs():
+    """`dyno serve` and `dyno bench` with a bad draft vocabulary, in one subprocess (dyno_each)."""
+    return dict(zip(("serve", "bench"), dyno_each([[c, "--draft-vocab", "most"] for c in ("serve", "bench")])))
+
+
+@pytest.mark.parametrize("command", ["serve", "bench", "app.py"])
+def test_a_bad_draft_vocabulary_is_one_line_exit_2_everywhere(bad_vocab_runs, command):
+    r = python("app.py", "--draft-vocab", "most") if command == "app.py" else bad_vocab_runs[command]
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == "dyno: error: draft vocabulary must be a number of tokens >= 1, auto or full, got 'most'\n"
 

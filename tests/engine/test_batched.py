@@ -9,7 +9,7 @@ import pytest
 from scipy.stats import chi2
 
 from helpers.distribution import FALSE_ALARM, PARAMS, chi_square, exact_joint
-from helpers.reference import plain_greedy
+from helpers.reference import plain_greedy, plain_greedy_prefix
 from speculative import batched, rollback
 from speculative.batched import BatchSpeculator
 from speculative.config import SamplingParams, SpecConfig
@@ -80,7 +80,7 @@ def test_every_row_is_plain_greedy(bundled, name, depth):
     events, finish = drive(batch, depth, joins)
     assert len(batch) == 0
     for i, prompt in enumerate(prompts):
-        want = plain_greedy(lm, prompt, limits[i])
+        want = plain_greedy_prefix(lm, prompt, limits[i])
         assert tokens(events[i]) == want, f"row {i}"
         assert finish[i] == ("stop" if want[-1] in lm.eos_token_ids else "length")
     # Rows 0 and 1 (in the batch together from the first round) accepted different counts in the
@@ -125,7 +125,7 @@ def test_a_row_that_leaves_mid_generation_leaves_the_others_exact(bundled):
             got[i] += tokens(out.events)
     assert 1 not in batch
     for i in (0, 2, 3):
-        assert got[i] == plain_greedy(lm, prompts[i], 45)
+        assert got[i] == plain_greedy_prefix(lm, prompts[i], 45)
 
 
 def test_a_row_ending_at_its_first_token_never_joins(bundled):
@@ -157,7 +157,7 @@ def test_a_seeded_row_draws_the_same_alone_and_in_a_batch(bundled, depth):
     assert tokens(alone["s"]) == reference
     assert tokens(beside["s"]) == reference
     # The greedy row took the batched greedy acceptance alone, the per-row one beside sampled rows.
-    assert tokens(beside["g"]) == plain_greedy(lm, lm.tokenizer.encode(PROMPTS[2]), 30)
+    assert tokens(beside["g"]) == plain_greedy_prefix(lm, lm.tokenizer.encode(PROMPTS[2]), 30)
 
 
 def test_a_row_with_processors_beside_a_free_row(bundled):
@@ -169,8 +169,8 @@ def test_a_row_with_processors_beside_a_free_row(bundled):
     events, _ = drive(BatchSpeculator(lm), 3, {0: [(0, prompts[0], shaped), (1, prompts[1], free)]})
     plain = [e.id for e in generate(lm, prompts[0], shaped, SpecConfig("off")) if isinstance(e, Token)]
     assert tokens(events[0]) == plain
-    assert tokens(events[1]) == plain_greedy(lm, prompts[1], 50)
-    assert plain != plain_greedy(lm, prompts[0], 50)  # the processors did change the text
+    assert tokens(events[1]) == plain_greedy_prefix(lm, prompts[1], 50)
+    assert plain != plain_greedy_prefix(lm, prompts[0], 50)  # the processors did change the text
 
 
 @pytest.mark.parametrize("mode", ["mtp", "off"])  # "off": the entry has no head rows (shifted head cache)
@@ -190,8 +190,8 @@ def test_a_row_resumed_from_the_prefix_cache_beside_a_cold_one(bundled, mode):
     while batch:
         for i, out in batch.step(3).items():
             got[i] += tokens(out.events)
-    assert got["warm"] == plain_greedy(lm, prompt, 40)
-    assert got["cold"] == plain_greedy(lm, cold, 40)
+    assert got["warm"] == plain_greedy_prefix(lm, prompt, 40)
+    assert got["cold"] == plain_greedy_prefix(lm, cold, 40)
 
 
 def test_shared_left_padding_is_dropped(bundled, monkeypatch):
@@ -202,7 +202,7 @@ def test_shared_left_padding_is_dropped(bundled, monkeypatch):
     batch = BatchSpeculator(lm)
     events, _ = drive(batch, 3, {0: [(i, p, SamplingParams(max_tokens=60)) for i, p in enumerate(prompts)]})
     for i, p in enumerate(prompts):
-        assert tokens(events[i]) == plain_greedy(lm, p, 60)
+        assert tokens(events[i]) == plain_greedy_prefix(lm, p, 60)
 
 
 @pytest.mark.slow
@@ -259,7 +259,7 @@ def test_depth_zero_and_changing_depths_stay_plain_greedy(bundled, monkeypatch, 
              7: [(3, prompts[3], SamplingParams(max_tokens=limits[3]))]}
     events, finish = drive_schedule(BatchSpeculator(lm), depths, joins, told=told)
     for i, prompt in enumerate(prompts):
-        want = plain_greedy(lm, prompt, limits[i])
+        want = plain_greedy_prefix(lm, prompt, limits[i])
         assert tokens(events[i]) == want, f"row {i}"
         assert finish[i] == ("stop" if want[-1] in lm.eos_token_ids else "length")
 
@@ -323,9 +323,9 @@ def test_the_plain_pass_queued_ahead_is_taken_back_exactly(bundled):
             break
     assert taken_back >= 4  # the joins at rounds 3 and 6, the drafting round, the leave
     assert got["s"] == tokens(alone["s"]) and len(got["s"]) == SAMPLED.max_tokens
-    assert got["a"] == plain_greedy(lm, prompts[1], 12)
-    assert got["b"] == plain_greedy(lm, prompts[2], 30)
-    assert got["c"] == plain_greedy(lm, prompts[3], 30)[: len(got["c"])] and len(got["c"]) < 30
+    assert got["a"] == plain_greedy_prefix(lm, prompts[1], 12)
+    assert got["b"] == plain_greedy_prefix(lm, prompts[2], 30)
+    assert got["c"] == plain_greedy_prefix(lm, prompts[3], 30)[: len(got["c"])] and len(got["c"]) < 30
 
 
 def test_rows_on_the_metal_kernel_branch_are_plain_greedy(bundled, metal_kernel, monkeypatch):

@@ -26,6 +26,7 @@ from helpers import tiny_models
 from helpers.run import LAUNCH, free_ports
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
+from dyno_ui.paths import BUNDLED_MODEL
 from speculative.errors import DynoError
 from speculative.events import Token
 from speculative.loader import load_checkpoint
@@ -36,6 +37,7 @@ RANK = ROOT / "tests" / "helpers" / "distributed_rank.py"
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 TOKENS = 28
 SAMPLED = {"temperature": 1.0, "top_k": 40, "seed": 11}
+UNSEEDED = {"temperature": 1.0, "top_k": 40}  # rank 0 draws its random seed: the ranks must still agree
 # Head counts divide by 2 (attention 4, GDN keys 2 and values 4; KV heads repeat); seeds whose
 # greedy text has runs of repeated tokens of many lengths.
 MODELS = {
@@ -85,7 +87,7 @@ def case(models, model: str, strategy: str, **extra) -> dict:
 def launched(models, tmp_path_factory):
     """One mlx.launch of 2 ranks running every case; rank 0's results by case name."""
     tmp = tmp_path_factory.mktemp("dist-run")
-    sampled = [{"depth": 3, "params": SAMPLED}]
+    sampled = [{"depth": 3, "params": SAMPLED}, {"depth": 3, "params": UNSEEDED}]
     cases = [case(models, m, s, depths=[1, 3], **(dict(sampled=sampled, stop_after=5) if m == "dense" else {}))
              for m in ("dense", "moe") for s in ("pipeline", "tensor")]
     cases.append(case(models, "untied", "tensor", depths=[3]))
@@ -152,6 +154,8 @@ def test_sampled_equals_one_process_with_the_same_seed(launched, models, strateg
     assert result["sampled"][0]["tokens"] == one
     assert one != result["plain"]  # it did sample
     assert any(a for _, a in result["sampled"][0]["rounds"])  # and drafts were accepted
+    unseeded = result["sampled"][1]  # in step on both ranks (a draft that differed would be an error)
+    assert unseeded["tokens"] and unseeded["rounds"]  # (its length is the draw's: EOS may come early)
 
 
 def start_ranks(tmp_path: Path, plan: Path, n: int = 2, only=None, extra=()) -> list:
@@ -236,8 +240,10 @@ def test_split_checks_name_what_does_not_divide():
 
 def test_order_travels_whole():
     """What rank 0 sends is what every rank runs: prompt, every sampling field, drafting, chunking;
-    rank 0 draws the seed when the request has none."""
-    from speculative.distributed import Order, with_seed
+    rank 0 draws a random seed when the request has none, which travels beside the request's fields
+    (a request's own seed asks for plain mlx-lm's text and its coupled acceptance; a drawn one must not)."""
+    from speculative.distributed import Order, order_for, runner_for
+    from speculative.engine import Speculator
     from speculative.thinking_budget import ThinkingBudget
 
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, max_tokens=9, seed=2**63 + 5,
@@ -245,8 +251,14 @@ def test_order_travels_whole():
                             thinking_budget=ThinkingBudget(16, 8, 9, (4, 9, 5), open=True))
     order = Order((1, 2, 3), params, SpecConfig("mtp", 2, 160), 64)
     assert Order.decode(order.encode()) == order
-    drawn = with_seed(SamplingParams(temperature=1.0))
-    assert drawn.seed is not None and with_seed(drawn) == drawn
+    unseeded = order_for((1, 2), SamplingParams(temperature=1.0), SpecConfig("mtp", 2), 64)
+    assert unseeded.params.seed is None and isinstance(unseeded.rng_seed, int)
+    assert Order.decode(unseeded.encode()) == unseeded
+    assert order_for((1, 2), params, SpecConfig("mtp", 2), 64).rng_seed is None
+    lm = load_checkpoint(BUNDLED_MODEL, mode="mtp")
+    runs = [runner_for(unseeded)(lm, unseeded.params, unseeded.spec, 64) for _ in range(2)]
+    assert all(isinstance(r, Speculator) and r.keys is None for r in runs)  # the lossless min(1, p/q) rule
+    assert mx.array_equal(mx.random.uniform(key=runs[0].key), mx.random.uniform(key=runs[1].key))  # every rank alike
 
 
 def test_link_projection():

@@ -12,11 +12,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
-from scipy.stats import chi2
+from scipy.stats import chi2, ncx2
 
 from helpers import tiny_models
-from helpers.distribution import (FALSE_ALARM, chi_square, exact_joint, mlx_lm_probs, mlx_lm_scores,
-                                  sample_tokens, target_dist, trunk_logits)
+from helpers.distribution import (FALSE_ALARM, chi_square, exact_joint, image_target_dist, mlx_lm_probs,
+                                  mlx_lm_scores, sample_tokens, target_dist, trunk_logits)
 from speculative.config import SamplingParams
 from speculative.engine import Speculator
 from speculative.loader import load_checkpoint
@@ -24,10 +24,13 @@ from speculative.round.sampling import warp
 
 pytestmark = pytest.mark.slow
 
-# 4000 samples make a wrong rule visible: accepting with 2p/q scored ~150 and drawing the
-# correction from p instead of the residual ~82 against a critical value of ~76 (27 cells).
+# 2500 samples make a wrong rule visible (the shadow q below): accepting with 2p/q scores ~105 and
+# drawing the correction from p instead of the residual ~111 on average, against a critical value of
+# ~76 (27 cells): caught with probability 0.95 and 0.97 (noncentral chi-square over the wrong rules'
+# exact joints; these seeds scored 105 and 81, the right rule 29). The earlier q, 0.3p + 0.6 uniform
+# + 0.1 roll(p), needed 4000 samples and caught the residual error with probability 0.60 (~81).
 DRAFT_VOCAB = 160  # of the tiny models' 320
-SAMPLES = {"shadow": 4000, "mtp-head": 600, "draft-vocab": 600}
+SAMPLES = {"shadow": 2500, "mtp-head": 600, "draft-vocab": 600}
 
 
 # ---- the warp is mlx-lm's sampling distribution, in the logits' dtype ----
@@ -94,24 +97,33 @@ def test_warp_treats_verify_rows_like_single_rows():
 
 # ---- the first three tokens, against their exact joint (float32 model) ----
 
+def shadow_q(p):
+    support = (p > 0) / (p > 0).sum()
+    return 0.8 * support + 0.2 * np.roll(p, 1)
+
+
 class ShadowSpeculator(Speculator):
-    """Drafts from q: flatter than p on p's support, plus some mass off it (every ratio p/q occurs)."""
+    """Drafts from q: uniform on p's support, plus some mass off it (every ratio p/q occurs); of the
+    mixtures of p, uniform and roll(p), the one whose wrong rules stray furthest from p."""
+
+    def dist(self, tokens):
+        return target_dist(self.lm, tokens)
 
     def draft(self, k):
         context = self.context + self.generated
         drafts, probs = [], []
         for _ in range(k):
-            p = target_dist(self.lm, context + drafts)
-            support = (p > 0) / (p > 0).sum()
-            q = 0.3 * p + 0.6 * support + 0.1 * np.roll(p, 1)
+            q = shadow_q(self.dist(context + drafts))
             d = mx.random.categorical(mx.log(mx.array(q)), key=self._split()).item()
             drafts.append(d)
             probs.append(q)
         return mx.array(drafts), mx.array(np.stack(probs).astype(np.float32))
 
 
-@pytest.mark.parametrize("name, drafter", [("tied-gqa2", "shadow"), ("tied-gqa2", "mtp-head"),
-                                           ("moe-fused", "mtp-head"), ("tied-gqa2", "draft-vocab")])
+# The real head's draft path once per projection: the full vocabulary (on the MoE model) and a draft
+# subset (on the dense one); the dense model with its full vocabulary would repeat both.
+@pytest.mark.parametrize("name, drafter", [("tied-gqa2", "shadow"), ("moe-fused", "mtp-head"),
+                                           ("tied-gqa2", "draft-vocab")])
 def test_first_tokens_follow_the_model(tiny_lm, name, drafter):
     lm = tiny_lm(name)
     prompt = lm.tokenizer.encode("x = ")
@@ -134,6 +146,91 @@ def test_first_tokens_follow_the_model(tiny_lm, name, drafter):
     assert stat < chi2.isf(FALSE_ALARM, dof), (stat, dof)
     if drafter == "shadow":
         assert accepted > 0.5 * n  # the accept branch was exercised, not only corrections
+
+
+# ---- the same with an image in the prompt (tiny Qwen3.5-VL checkpoint) ----
+
+# A short prompt (the trunk's recurrent layers step through a CPU prefill token by token): a 32x32
+# image, 4 rows over 2 positions (rope delta -2), then text. What its sizes can see, as chi-square
+# noncentrality per sample (critical values ~55-75): the image left out (its rows the pad token's
+# embedding) 1.0, sequential positions 0.77, rows after the prompt without the delta 0.13. Finer
+# position errors are the logits test's (test_vision.py).
+VL_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>x = "
+IMAGE_SAMPLES = {"shadow": 300, "mtp-head": 200}
+
+
+class ImageShadowSpeculator(ShadowSpeculator):
+    """The shadow drafter, its p the image prompt's (the speculator's own VisionInput, set by prefill)."""
+
+    def dist(self, tokens):
+        return image_target_dist(self.lm, self.vision, tokens)
+
+
+@pytest.fixture(scope="module")
+def image_case(vl_dir):
+    """The VL model, the prompt with its image's rows, its VisionInput, and the exact joint."""
+    from helpers import vision_models
+    from speculative.loader.vision import image_prompt
+
+    lm = load_checkpoint(vl_dir)
+    prompt, vision = image_prompt(lm.target, lm.vision, lm.tokenizer.encode(VL_PROMPT), [vision_models.png(32, 32)])
+    assert vision.rope.delta == -2
+    return lm, prompt, vision, exact_joint(lm, prompt, lambda lm, tokens: image_target_dist(lm, vision, tokens))
+
+
+@pytest.mark.parametrize("drafter", ["shadow", "mtp-head"])
+def test_first_tokens_with_an_image_follow_the_model(image_case, drafter):
+    """Drafts, verify rows and corrections past an image's rows (at offset + rope delta) keep plain
+    sampling's distribution, with the shadow drafter (every ratio p/q) and the real head."""
+    lm, prompt, vision, joint = image_case
+    cls = ImageShadowSpeculator if drafter == "shadow" else Speculator
+    counts, accepted, drafted = {}, 0, 0
+    n = IMAGE_SAMPLES[drafter]
+    for seed in range(n):
+        random.seed(seed)  # the unseeded engine's own key: the lossless rule
+        spec = cls(lm, SamplingParams(temperature=1.0, top_k=3, max_tokens=3), 2, 2048)
+        spec.lm, spec.context = lm, prompt
+        tokens, d, acc = sample_tokens(spec, prompt, 3, vision)
+        accepted, drafted = accepted + acc, drafted + d
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    stat, dof = chi_square(counts, joint, n)
+    assert stat < chi2.isf(FALSE_ALARM, dof), (stat, dof)
+    assert drafted >= n  # every sample drafted past the image
+    if drafter == "shadow":
+        assert accepted > 0.5 * n  # the accept branch was exercised, not only corrections
+
+
+def wrong_step(p, q, rule):
+    """A drafted token's distribution under a wrong rule: keeping it with min(1, 2p/q), or drawing the
+    correction from p instead of normalize(max(p - q, 0))."""
+    ratio = np.divide(p, q, out=np.zeros_like(p), where=q > 0)
+    kept = q * np.minimum(1.0, (2.0 if rule == "2p/q" else 1.0) * ratio)
+    residual = np.maximum(p - q, 0)
+    return kept + (1 - kept.sum()) * (p if rule == "from-p" else residual / residual.sum())
+
+
+@pytest.mark.parametrize("rule", ["2p/q", "from-p"])
+def test_the_shadow_samples_catch_the_wrong_rules(tiny_lm, rule):
+    """SAMPLES["shadow"] suffices: the shadow test fails a wrong rule with probability >= 0.9 (0.95 and
+    0.97 now), by the noncentral chi-square over chi_square's cells of the rule's exact joint. Each
+    token after the first is one drafted step: a round's second draft is judged given the first."""
+    lm = tiny_lm("tied-gqa2")
+    prompt = lm.tokenizer.encode("x = ")
+    joint, n = exact_joint(lm, prompt), SAMPLES["shadow"]
+
+    def step(context):
+        p = target_dist(lm, context)
+        return wrong_step(p, shadow_q(p), rule)
+
+    p1 = target_dist(lm, prompt)
+    wrong = {(a, b, c): p1[a] * step(prompt + [a])[b] * step(prompt + [a, b])[c] for a, b, c in joint}
+    big = [c for c, p in joint.items() if p * n >= 5]
+    right, got = [joint[c] for c in big], [wrong[c] for c in big]
+    if (1 - sum(right)) * n >= 5:  # the pooled cell, as chi_square makes it
+        right, got = right + [1 - sum(right)], got + [1 - sum(got)]
+    right, got = np.array(right), np.array(got)
+    noncentrality, dof = n * ((got - right) ** 2 / right).sum(), len(right) - 1
+    assert ncx2.sf(chi2.isf(FALSE_ALARM, dof), dof, noncentrality) >= 0.9, (noncentrality, dof)
 
 
 # ---- six tokens over several rounds: bf16 and quantized models, filters and processors ----

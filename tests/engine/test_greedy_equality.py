@@ -7,7 +7,7 @@ import pytest
 import mlx.core as mx
 
 from helpers.drafts import recording_runner, replay
-from helpers.reference import plain_greedy
+from helpers.reference import plain_greedy_prefix
 from helpers.tiny_models import CONFIGS
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
@@ -33,6 +33,7 @@ def provenance(kept, depth):
 
 CASES = [(name, depth) for name in CONFIGS for depth in (1, 2, 3, 4, 5)
          if not (name.startswith("moe") and depth == 5)]  # MoE: depths 1..4
+LONGEST = 200 + 5  # each model's one reference run: every depth's case (and look-ahead) reads its prefix
 
 
 @pytest.mark.parametrize("name, depth", CASES)
@@ -41,7 +42,7 @@ def test_greedy_equals_mlx_lm(tiny_lm, name, depth):
     prompt = lm.tokenizer.encode(PROMPT)
     drafts = []
     tokens, rounds = run(lm, prompt, depth, runner=recording_runner(drafts))
-    reference = plain_greedy(lm, prompt, 200 + depth, stop_at_eos=False)  # the last round looks ahead
+    reference = plain_greedy_prefix(lm, prompt, LONGEST, stop_at_eos=False)[: 200 + depth]  # the last round looks ahead
     assert [t.id for t in tokens] == reference[:200]
     # Exact accounting: one round per draft, each keeping what the rule replayed on its drafts keeps
     # (an engine that threw away a draft greedy agrees with would still emit the same text).
@@ -58,7 +59,7 @@ def test_prompt_longer_than_prefill_chunk(tiny_lm, depth):
     prompt = lm.tokenizer.encode(PROMPT * 3)  # ~150 tokens, chunks of 32
     assert len(prompt) > 3 * 32
     tokens, _ = run(lm, prompt, depth, n=120, prefill_step=32)
-    assert [t.id for t in tokens] == plain_greedy(lm, prompt, 120, prefill_step=32)
+    assert [t.id for t in tokens] == plain_greedy_prefix(lm, prompt, 120, prefill_step=32)
 
 
 def test_off_mode_is_plain_mlx_lm(tiny_lm):
@@ -66,7 +67,7 @@ def test_off_mode_is_plain_mlx_lm(tiny_lm):
     prompt = lm.tokenizer.encode(PROMPT)
     events = list(generate(lm, prompt, SamplingParams(max_tokens=50), SpecConfig("off")))
     tokens = [e for e in events if isinstance(e, Token)]
-    assert [t.id for t in tokens] == plain_greedy(lm, prompt, 50)
+    assert [t.id for t in tokens] == plain_greedy_prefix(lm, prompt, 50)
     assert not any(isinstance(e, Round) for e in events)
     assert {t.provenance for t in tokens} == {Provenance.PLAIN}
 
@@ -100,7 +101,7 @@ SCRIPTS = {"oracle": lambda rng: True, "adversarial": lambda rng: False,
 def test_scripted_heads_keep_exactly_their_right_prefix(tiny_lm, script):
     lm = tiny_lm()
     prompt = lm.tokenizer.encode(PROMPT)
-    reference = plain_greedy(lm, prompt, 121, stop_at_eos=False)
+    reference = plain_greedy_prefix(lm, prompt, 121, stop_at_eos=False)
     depth, rng = 4, random.Random(0)
     spec = ScriptedSpeculator(lm, SamplingParams(max_tokens=121), depth, 2048, reference=reference,
                               right=lambda: SCRIPTS[script](rng))

@@ -64,14 +64,33 @@ def target_dist(lm, tokens, params=PARAMS):
     return _memo[key]
 
 
-def exact_joint(lm, prompt):
-    """P(t1, t2, t3) under plain sampling, enumerated over the top-k supports."""
+def image_target_dist(lm, vision, prompt, params=PARAMS):
+    """target_dist for a prompt that starts with an image prompt (`vision`: its VisionInput, for its
+    first rows): a fresh, uncached forward of the whole of `prompt`, the image prompt's rows at their
+    embeddings and M-RoPE positions, every later row at its index + rope delta; memoised."""
+    key = (id(lm), id(vision), params, tuple(prompt))
+    if key not in _memo:
+        n = vision.embeddings.shape[1]
+        tail = lm.target.embed(mx.array(prompt[n:])[None]) if len(prompt) > n else None
+        embeddings = vision.embeddings if tail is None else mx.concatenate([vision.embeddings, tail], axis=1)
+        trunk = lm.target.positioned(vision.rope)
+        logits = trunk(mx.array(prompt)[None], lm.target.make_cache(), embeddings)[:, -1]
+        for processor in mlx_lm_processors(params):
+            logits = processor(mx.array(prompt), logits)
+        _memo[key] = np.array(mlx_lm_probs(logits, params)[0])
+    return _memo[key]
+
+
+def exact_joint(lm, prompt, dist=None):
+    """P(t1, t2, t3) under plain sampling, enumerated over the top-k supports; `dist(lm, tokens)` the
+    next-token distribution (target_dist unless given)."""
+    dist = dist or target_dist
     joint = {}
-    p1 = target_dist(lm, prompt)
+    p1 = dist(lm, prompt)
     for a in np.flatnonzero(p1):
-        p2 = target_dist(lm, prompt + [int(a)])
+        p2 = dist(lm, prompt + [int(a)])
         for b in np.flatnonzero(p2):
-            p3 = target_dist(lm, prompt + [int(a), int(b)])
+            p3 = dist(lm, prompt + [int(a), int(b)])
             for c in np.flatnonzero(p3):
                 joint[(int(a), int(b), int(c))] = p1[a] * p2[b] * p3[c]
     return joint
@@ -93,10 +112,11 @@ def chi_square(counts, joint, n):
     return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
 
 
-def sample_tokens(spec, prompt, n):
-    """The first n tokens a speculator emits after `prompt`, and how many drafts it made and kept."""
+def sample_tokens(spec, prompt, n, vision=None):
+    """The first n tokens a speculator emits after `prompt` (with `vision`: its images), and how many
+    drafts it made and kept."""
     tokens, drafted, accepted = [], 0, 0
-    for e in spec.run(prompt):
+    for e in (spec.run(prompt) if vision is None else spec.run(prompt, vision=vision)):
         if isinstance(e, Token):
             tokens.append(e.id)
         else:

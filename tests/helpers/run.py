@@ -1,11 +1,13 @@
 """The one way tests run Dyno as a user does: `python -m dyno_ui ...` (or any Python) in a subprocess
 from the repository root, output captured as text, bounded in time."""
 
+import json
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import List, Mapping, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = Path(sys.executable).parent / "mlx.launch"  # MLX's launcher, installed beside this Python
@@ -21,6 +23,46 @@ def python(*args: str, env: Optional[Mapping[str, str]] = None, timeout: float =
 def dyno(*args: str, env: Optional[Mapping[str, str]] = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """The `dyno` command with `args`."""
     return python("-m", "dyno_ui", *args, env=env, timeout=timeout)
+
+
+# Each command as `python -m dyno_ui` runs it (SystemExit(main(argv))), its fds 1 and 2 sent to files,
+# so whatever reaches the terminal is captured, MLX's C++ output included.
+_MANY = """
+import json, os, sys
+argvs, out = json.load(open(sys.argv[1])), sys.argv[2]
+results = []
+for i, argv in enumerate(argvs):
+    saved = os.dup(1), os.dup(2)
+    paths = [f"{out}.{i}.stdout", f"{out}.{i}.stderr"]
+    for fd, path in zip((1, 2), paths):
+        with open(path, "wb") as f:
+            os.dup2(f.fileno(), fd)
+    try:
+        from dyno_ui.cli import main
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+    results.append([code] + [open(p, encoding="utf-8").read() for p in paths])
+json.dump(results, open(out, "w"))
+"""
+
+
+def dyno_each(argvs: Sequence[Sequence[str]], env: Optional[Mapping[str, str]] = None,
+              timeout: float = 300) -> List[subprocess.CompletedProcess]:
+    """`dyno *argv` for each argv, one after another in one subprocess (one start-up, not one each):
+    for commands that stop at an error before any model loads. Each result as `dyno`'s."""
+    with tempfile.TemporaryDirectory() as tmp:
+        argv_file, out = Path(tmp, "argvs.json"), Path(tmp, "results.json")
+        argv_file.write_text(json.dumps([list(a) for a in argvs]))
+        r = python("-c", _MANY, str(argv_file), str(out), env=env, timeout=timeout)
+        assert r.returncode == 0 and not r.stdout and not r.stderr, r
+        return [subprocess.CompletedProcess(["dyno", *argv], code, stdout, stderr)
+                for argv, (code, stdout, stderr) in zip(argvs, json.loads(out.read_text()))]
 
 
 def dyno_server(*args: str, env: Optional[Mapping[str, str]] = None) -> subprocess.Popen:

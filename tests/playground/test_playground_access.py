@@ -20,7 +20,8 @@ from speculative.loader import load_checkpoint
 pytestmark = pytest.mark.e2e
 
 KEY = "sk-dyno-test"
-RACE = ["def read_lines(path):", 2, 1, 0.0, 1.0, 0, 0.0, 4, -1]  # prompt, depth, runs, then the sampling controls
+# The prompt box's value (text and image files), depth, runs, then the sampling controls
+RACE = [{"text": "def read_lines(path):", "files": []}, 2, 1, 0.0, 1.0, 0, 0.0, 4, -1]
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ The bundled dyno-tiny is the model: its chat template is Qwen's, with tools and 
 """
 
 import json
+import logging
 
 import anthropic
 import httpx
@@ -300,6 +301,19 @@ def test_count_tokens_is_the_templated_prompt(server, client):
     assert thinking.input_tokens == len(template(lm, ASK, enable_thinking=True))
 
 
+SEARCH = {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
+
+
+def test_a_server_tool_is_left_out_and_the_answer_is_as_without(server, client, caplog):
+    ask = dict(model=MODEL_ID, max_tokens=8, messages=ASK, thinking=NO_THINKING, extra_body={"temperature": 0})
+    plain = client.messages.create(**ask, tools=TOOLS)
+    with caplog.at_level(logging.INFO, logger="dyno.serve"):
+        offered = client.messages.create(**ask, tools=TOOLS + [SEARCH])
+    prompt = [u.input_tokens + u.cache_read_input_tokens for u in (plain.usage, offered.usage)]
+    assert offered.content == plain.content and prompt[0] == prompt[1]
+    assert "dyno: /v1/messages: left out server tools this server cannot run: web_search" in caplog.messages
+
+
 def error_of(response: httpx.Response) -> tuple:
     body = response.json()
     assert set(body) == {"type", "error"} and body["type"] == "error"
@@ -313,9 +327,14 @@ def error_of(response: httpx.Response) -> tuple:
     ({"model": MODEL_ID, "max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
      400, "invalid_request_error", "use a vision-language conversion"),  # dyno-tiny's tower is a placeholder
-    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK, "tools": [{"type": "web_search_20250305",
-                                                                     "name": "web_search"}]},
-     400, "invalid_request_error", "web_search_20250305"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK, "tools": TOOLS + [SEARCH],
+      "tool_choice": {"type": "tool", "name": "web_search"}},
+     400, "invalid_request_error", "tool_choice: 'web_search' forces a call of a server tool (web_search), which "
+                                   "runs on Anthropic's side: this server cannot run it (offer a custom tool instead)"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK, "tools": [SEARCH], "tool_choice": {"type": "any"}},
+     400, "invalid_request_error", "tool_choice: 'any' forces a call of a server tool (web_search)"),
+    ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK, "tools": [{"type": "bash_20250124", "name": "bash"}]},
+     400, "invalid_request_error", "tool type 'bash_20250124' is not supported"),
     ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK, "tool_choice": {"type": "any"}}, 400,
      "invalid_request_error", "no tools"),
     ({"model": MODEL_ID, "max_tokens": 5, "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "tool",
@@ -338,7 +357,8 @@ def error_of(response: httpx.Response) -> tuple:
     ({"model": MODEL_ID, "max_tokens": 5, "messages": [{"role": "user", "content": "y" * 5000}]}, 400,
      "invalid_request_error", "maximum context length"),
     ({"model": "claude-opus-4", "max_tokens": 5, "messages": ASK}, 404, "not_found_error", "claude-opus-4"),
-], ids=["no max_tokens", "temperature", "image block", "server tool", "any without tools", "unknown tool",
+], ids=["no max_tokens", "temperature", "image block", "forced server tool", "any with only a server tool",
+        "a tool only Claude knows", "any without tools", "unknown tool",
         "prefill with trailing space", "prefill with a tool call", "prefill with a forced call",
         "prefill with a format", "prefill with thinking", "prefill alone", "too long", "unknown model"])
 def test_errors_are_anthropic_shaped(server, body, status, kind, says):

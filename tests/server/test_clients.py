@@ -207,3 +207,33 @@ def test_stats_and_metrics_stay_open_and_name_no_folder(server):
     assert stats.status_code == metrics.status_code == 200
     assert folder not in stats.text and folder not in metrics.text
     assert stats.json()["mtp_head"]["source"] == "local folder " + folder.rstrip("/").rsplit("/", 1)[-1]
+
+
+def test_a_flood_of_unknown_fields_is_counted_in_bounded_memory(server, caplog):
+    from dyno_ui.server.fields import MAX_LOGGED, MAX_PATHS, OTHER
+
+    flood = {f"field_{i}": i for i in range(MAX_PATHS + 50)} | {"x" * 10_000: 1}
+    before = server.stats()["ignored_fields"]["total"]
+    with caplog.at_level(logging.INFO, logger="dyno.serve"):
+        r = server.post("/v1/chat/completions", headers=JSON, json={**EDITOR, "max_tokens": 1, **flood})
+    assert r.status_code == 200, r.text
+    ignored = server.stats()["ignored_fields"]
+    assert ignored["total"] == before + len(flood)
+    assert len(ignored["by_field"]) <= MAX_PATHS + 1 and ignored["by_field"][OTHER] >= 1
+    assert max(map(len, ignored["by_field"])) <= 120
+    line = next(r.getMessage() for r in caplog.records if "ignored unknown fields" in r.getMessage())
+    assert line.endswith(f" and {len(flood) - MAX_LOGGED} more") and len(line) < 2_000
+    assert client(server).chat.completions.create(**EDITOR, extra_body=THINK_OFF).choices[0].message.content
+
+
+def test_another_sites_page_cannot_upload_to_the_playground(server):
+    """A form upload needs no CORS preflight: the Origin a browser sends decides."""
+    files = {"files": ("a.txt", b"x" * 1000, "text/plain")}
+    here = f"http://127.0.0.1:{port(server)}"
+    other = server.post("/ui/gradio_api/upload", headers={"origin": "http://evil.example"}, files=files)
+    assert other.status_code == 403 and other.json()["error"]["message"] == (
+        "A page of http://evil.example cannot drive this server's playground; to let it, start the server "
+        "with --allowed-origins http://evil.example")
+    assert server.post("/ui/gradio_api/upload", headers={"origin": "null"}, files=files).status_code == 403
+    for headers in ({"origin": here}, {}):  # the playground's own page, and a client that is no browser
+        assert server.post("/ui/gradio_api/upload", headers=headers, files=files).status_code != 403

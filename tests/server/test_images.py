@@ -28,10 +28,10 @@ def data_url(png: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(png).decode()}"
 
 
-def reference(lm, png: bytes):
-    """The engine's plain greedy answer (content, reasoning) for the question about `png`, as the chat
-    template renders it."""
-    messages = [{"role": "user", "content": IMAGE_PLACEHOLDER + QUESTION}]
+def reference(lm, png: bytes, before=()):
+    """The engine's plain greedy answer (content, reasoning) for the question about `png` (after the
+    messages `before`), as the chat template renders it: a cold run, no prompt cache."""
+    messages = list(before) + [{"role": "user", "content": IMAGE_PLACEHOLDER + QUESTION}]
     prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     prompt, vision = images_for(lm, prompt, [png])
     events = generate(lm, prompt, SamplingParams(max_tokens=N), SpecConfig("off"), vision=vision)
@@ -62,6 +62,34 @@ def test_both_apis_answer_with_the_image_as_plain_decoding_does(server):
         {"type": "text", "text": QUESTION}]}])
     assert "".join(b.text for b in m.content if b.type == "text") == want[one][0]
     # (what follows a <think> differs: without `thinking` an Anthropic request closes it at once)
+
+
+def test_on_a_warm_cache_two_images_with_the_same_text_each_get_their_own_cold_answer(server):
+    """The prompt cache keys by token ids, which two images with the same text share: image prompts
+    take nothing from it and leave nothing in it (for now), so each answer is its own image's cold run."""
+    lm, client = server.served.lm, server.client
+    system = {"role": "system", "content": "You describe pictures."}
+
+    def ask(content):
+        r = client.chat.completions.create(model=MODEL_ID, max_tokens=N, temperature=0,
+                                           messages=[system, {"role": "user", "content": content}])
+        message = r.choices[0].message
+        return (message.content, getattr(message, "reasoning_content", None) or ""), \
+            r.usage.prompt_tokens_details.cached_tokens
+
+    ask(QUESTION)
+    _, cached = ask(QUESTION)  # warm: the same text again reuses the system message's prefix
+    assert cached > 0
+    pngs = {seed: vision_models.png(64, 96, seed=seed) for seed in (1, 2)}
+    cold = {seed: server.served.worker.call(lambda png=png: reference(lm, png, [system])).result(120)
+            for seed, png in pngs.items()}
+    assert cold[1][0] != cold[2][0]  # the image decides the answer
+    before = server.stats()["tokens"]
+    for seed in (1, 2, 1, 2):
+        assert ask(openai_parts(pngs[seed])) == (cold[seed], 0), seed
+    after = server.stats()["tokens"]
+    assert after["prompt_cached"] == before["prompt_cached"] and after["prompt"] > before["prompt"]
+    assert ask(QUESTION)[1] == cached  # the text's entry is still there, as it was
 
 
 BAD = [

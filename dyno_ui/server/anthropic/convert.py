@@ -12,6 +12,7 @@ the stream sends.
 """
 
 import json
+import logging
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from ...runtime import chat
@@ -24,6 +25,8 @@ from ...runtime.served import ServedModel
 from ...runtime.worker import Job
 from ..streaming import JobStream, sse
 from . import schema as api
+
+log = logging.getLogger("dyno.serve")
 
 # ---- requests ------------------------------------------------------------------------------
 
@@ -43,6 +46,13 @@ def chat_request(req: api.Conversation, default_thinking: bool = False) -> ChatR
         raise ApiError(400, "messages: a final assistant message (prefill) needs a user message before it",
                        param="messages")
     forced = req.tool_choice is not None and req.tool_choice.forced
+    if req.server_tools:
+        named = req.tool_choice.name if forced and req.tool_choice.type == "tool" else None
+        if named in req.server_tools or (forced and not req.tools):
+            raise ApiError(400, f"tool_choice: {named or req.tool_choice.type!r} forces a call of a server tool "
+                                f"({', '.join(req.server_tools)}), which runs on Anthropic's side: this server "
+                                f"cannot run it (offer a custom tool instead)", param="tool_choice")
+        log.info("dyno: /v1/messages: left out server tools this server cannot run: %s", ", ".join(req.server_tools))
     if forced and not req.tools:
         raise ApiError(400, f"tool_choice: {req.tool_choice.type!r} requires a tool call but no tools were given",
                        param="tool_choice")

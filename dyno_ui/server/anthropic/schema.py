@@ -1,15 +1,17 @@
 """The Anthropic Messages API as Dyno serves it: request types, response and stream-event types, errors.
 
 Validation lives in the types (ranges as Anthropic documents them); the server turns a failed
-validation into an Anthropic-shaped 400. Content a local model cannot take (images, documents,
-server tools, MCP servers) is a 400 naming it, never dropped. Hints with nothing to do here
+validation into an Anthropic-shaped 400. Content a local model cannot take (documents, tools whose
+schemas only Claude knows, MCP servers) is a 400 naming it, never dropped; server tools (web search,
+web fetch, code execution: they run on Anthropic's side) are left out, as the Responses API's hosted
+tools are, unless the request forces one. Hints with nothing to do here
 (`cache_control`: prefixes are reused anyway; `metadata`, `service_tier`) are accepted and ignored.
 """
 
 import uuid
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from ...runtime.errors import ApiError
 
@@ -203,6 +205,10 @@ class OutputConfig(_Request):
     effort: Optional[Literal[EFFORTS]] = None  # the thinking budget (convert.EFFORT_BUDGETS)
 
 
+# Tools that run on Anthropic's side (their types carry a date: web_search_20250305, ...).
+SERVER_TOOLS = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_")
+
+
 class Conversation(_Request):
     """What both /v1/messages and /v1/messages/count_tokens read: the prompt and the tools."""
 
@@ -213,6 +219,30 @@ class Conversation(_Request):
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
     output_config: Optional[OutputConfig] = None
+    _server_tools: List[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _server_tools_left_out(cls, data, handler):
+        """Server tools are not the model's to call here: out of `tools`, their names kept (server_tools)."""
+        left = []
+        if isinstance(data, dict) and isinstance(data.get("tools"), list):
+            kept = []
+            for tool in data["tools"]:
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                if isinstance(kind, str) and kind.startswith(SERVER_TOOLS):
+                    left.append(str(tool.get("name") or kind))
+                else:
+                    kept.append(tool)
+            data = {**data, "tools": kept}
+        out = handler(data)
+        out._server_tools = left
+        return out
+
+    @property
+    def server_tools(self) -> List[str]:
+        """The names of the server tools the request offered, left out of the prompt."""
+        return self._server_tools
 
     @model_validator(mode="before")
     @classmethod
