@@ -269,8 +269,8 @@ def test_a_batched_request_whose_sampler_raises_fails_alone(tiny_dir, tiny_lm, m
     import dyno_ui.runtime.worker as worker_module
     from speculative.round.sampling import plain_sampler
 
-    def sampler_for(params, vocab):  # the request with seed 13 gets mlx-lm's top-k past the vocabulary
-        if params.seed == 13:
+    def sampler_for(params, vocab):  # the request with top-k 13 gets mlx-lm's top-k past the vocabulary
+        if params.top_k == 13:
             return make_sampler(1.0, top_k=vocab + 5)
         return plain_sampler(params, vocab)
 
@@ -281,7 +281,7 @@ def test_a_batched_request_whose_sampler_raises_fails_alone(tiny_dir, tiny_lm, m
         with ThreadPoolExecutor(3) as pool:
             good = [pool.submit(completion, server) for _ in range(2)]
             bad = pool.submit(server.post, "/v1/completions",
-                              json={"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 13})
+                              json={"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "top_k": 13})
             answers = [f.result().choices[0].text for f in good]
             reply = bad.result()
         assert server.get("/health").status_code == 200
