@@ -24,6 +24,7 @@ import pytest
 
 from helpers import tiny_models
 from helpers.run import LAUNCH, free_ports
+from helpers.tools import load_tool
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from dyno_ui.paths import BUNDLED_MODEL
@@ -265,11 +266,7 @@ def test_link_projection():
     """The projection adds the link's latency per hop to the measured step (T1) and round times:
     with none it is the measured speedup, and as the link dominates it tends to
     (tokens per round) x hops / (hops + the agreement's)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("distributed_bench", ROOT / "tools" / "distributed_bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_tool("distributed_bench")
     t1, round_s, e = 0.020, 0.040, 2.5
     assert bench.project(t1, round_s, e, 2, 1, 0.0)["speedup"] == pytest.approx(e * t1 / round_s)
     assert bench.project(t1, round_s, e, 2, 1, 100.0)["speedup"] == pytest.approx(e * 2 / 3, rel=1e-3)

@@ -1,25 +1,20 @@
 """tools/profile_round.py's accounting: every phase of every round, contiguous, and the
 instrumentation leaves the output untouched (plain greedy, token for token)."""
 
-import importlib.util
-import pathlib
 
 import pytest
 
 from helpers.reference import plain_greedy
+from helpers.tools import load_tool
 from speculative import engine
 from speculative.config import SamplingParams
 
-TOOL = pathlib.Path(__file__).resolve().parents[2] / "tools" / "profile_round.py"
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("profile_round", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("profile_round")
 
 
 @pytest.mark.parametrize("depth", [1, 3])
@@ -56,9 +51,7 @@ def test_sampled_output_unchanged(tiny_lm, tool):
 
 def test_round_floor_times_every_piece(tiny_lm):
     """tools/round_floor.py runs each piece on a model without the bundled ranking (a tiny random one)."""
-    spec = importlib.util.spec_from_file_location("round_floor", TOOL.parent / "round_floor.py")
-    floor = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(floor)
+    floor = load_tool("round_floor")
     lm = tiny_lm()
     t = floor.pieces(lm, lm.tokenizer.encode(PROMPT), 2, reps=1)
     assert set(t) == {"head, 1 row", "head, 3 rows", "greedy acceptance", "sampled acceptance",

@@ -1,12 +1,11 @@
 """tools/round_work.py: per-thread CPU time, and rounds paired with their model calls leave the output plain."""
 
-import importlib.util
 import os
-import pathlib
 import threading
 import time
 
 import pytest
+from helpers.tools import load_tool
 
 from speculative.config import SamplingParams
 from speculative.measure import shapes
@@ -15,30 +14,32 @@ from speculative.measure.random_checkpoint import scaled_down, write_checkpoint
 from speculative.measure.scale import random_prompt
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread CPU time is read from Linux's /proc")
-TOOL = pathlib.Path(__file__).resolve().parents[2] / "tools" / "round_work.py"
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("round_work", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("round_work")
 
 
 def test_a_busy_thread_is_a_worker_and_the_waiting_main_thread_is_not():
     from speculative.measure.thread_time import since, stamp
 
+    spun, leave = threading.Event(), threading.Event()
+
     def spin():
         end = time.thread_time() + 0.2
         while time.thread_time() < end:
             pass
+        spun.set()
+        leave.wait()  # alive while read: an ended thread leaves /proc/self/task, its time with it
 
     start = stamp()
     worker = threading.Thread(target=spin)
     worker.start()
-    worker.join()
+    spun.wait()
     usage = since(start)
+    leave.set()
+    worker.join()
     assert usage.busiest_run >= 0.2 and usage.workers >= usage.busiest_run
     assert usage.main < 0.1 and usage.wall >= usage.busiest_run
 

@@ -1,6 +1,7 @@
 """The scale benchmark's pieces: the draft vocabulary floor, one context."""
 
 import pytest
+from helpers.tools import load_tool
 
 from speculative.loader import load_checkpoint
 from speculative.measure import shapes
@@ -44,16 +45,11 @@ def test_padding_grows_every_attention_cache(tiny_lm):
 def test_the_tool_builds_float32_and_names_its_blas(tmp_path, monkeypatch, capsys):
     """`--dtype float32` loads a float32 model (what the BLAS multiplies), and the record and the table
     header say which BLAS ran it; `--draft-vocab` drafts over a labelled subset of that many rows."""
-    import importlib.util
     import json
     import os
     import signal
 
-    from helpers.run import ROOT
-
-    spec = importlib.util.spec_from_file_location("scale_bench", ROOT / "tools" / "scale_bench.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)  # in this process: a subprocess would spend seconds importing
+    tool = load_tool("scale_bench")
     out = tmp_path / "record.json"
     monkeypatch.setattr("sys.argv", ["scale_bench.py", "--shape", "qwen3.5-0.8b", "--scaled-down", "--dtype", "float32",
                                      "--draft-vocab", "300", "--depths", "1,2", "--context", "16", "--max-tokens", "6",
