@@ -37,6 +37,7 @@ import subprocess
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -346,16 +347,7 @@ def order_for(prompt: Sequence[int], params: SamplingParams, spec: SpecConfig, p
 
 def runner_for(order: Order):
     """engine.generate's runner for `order`: the default one, its random draws from the order's seed."""
-
-    def make(lm, params, spec, prefill_step):
-        runner = engine.default_runner(lm, params, spec, prefill_step)
-        if order.rng_seed is not None:
-            mx.random.seed(order.rng_seed)  # plain decoding samples from MLX's global generator
-            if isinstance(runner, engine.Speculator):
-                runner.key = mx.random.key(order.rng_seed)  # its drafts' and acceptance draws
-        return runner
-
-    return make
+    return partial(engine.default_runner, rng_seed=order.rng_seed)
 
 
 def _settle() -> None:

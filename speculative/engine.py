@@ -129,11 +129,13 @@ def drafts(lm: LoadedModel, spec: SpecConfig) -> bool:
 
 
 def default_runner(lm: LoadedModel, params: SamplingParams, spec: SpecConfig, prefill_step: int,
-                   memory: Memory = MLX_MEMORY) -> "Runner":
-    """A Speculator when drafting, else a PlainRun."""
+                   memory: Memory = MLX_MEMORY, rng_seed: Optional[int] = None) -> "Runner":
+    """A Speculator when drafting, else a PlainRun; `rng_seed`: an unseeded request's random draws
+    from it (every rank of a split model alike), not a `seed`'s coupled rule."""
     if drafts(lm, spec):
-        return Speculator(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab, spec.details, memory)
-    return PlainRun(lm, params, prefill_step, memory)
+        return Speculator(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab, spec.details, memory,
+                          rng_seed)
+    return PlainRun(lm, params, prefill_step, memory, rng_seed)
 
 
 def segments(start: int, stop: int, cuts: Sequence[int], step: int) -> Iterator[Tuple[int, int]]:
@@ -160,8 +162,10 @@ def plain_after(spec_run: "Speculator", lm: LoadedModel, params: SamplingParams,
 class PlainRun:
     """Plain decoding is mlx-lm's own generate_step: same output, same speed."""
 
-    def __init__(self, lm: LoadedModel, params: SamplingParams, prefill_step: int, memory: Memory = MLX_MEMORY):
+    def __init__(self, lm: LoadedModel, params: SamplingParams, prefill_step: int, memory: Memory = MLX_MEMORY,
+                 rng_seed: Optional[int] = None):
         self.model, self.params, self.prefill_step, self.vocab = lm.model, params, prefill_step, lm.vocab_size
+        self.rng_seed = rng_seed  # MLX's global generator seeded from it when the request has no seed
         self.target = lm.target
         self.memory = memory  # generate_step clears MLX's buffer cache itself (every 256 tokens)
         self.cache: List = []
@@ -177,8 +181,9 @@ class PlainRun:
         drives the trunk at the image prompt's positions, from its embeddings (no cuts then).
         """
         p = self.params
-        if p.seed is not None:
-            mx.random.seed(p.seed)
+        seed = p.seed if p.seed is not None else self.rng_seed
+        if seed is not None:
+            mx.random.seed(seed)
         sampler = plain_sampler(p, self.vocab)
         start = len(resume) if resume else 0
         self.cache = resume.trunk_cache if resume else make_prompt_cache(self.model)
@@ -239,10 +244,11 @@ class Speculator(Rounds):
     mlx-lm caches; its prefill, its prefix reuse (`settle`) and its events (`run`)."""
 
     def __init__(self, lm: LoadedModel, params: SamplingParams, depth: int, prefill_step: int,
-                 draft_vocab: Optional[int] = None, details: bool = False, memory: Memory = MLX_MEMORY):
+                 draft_vocab: Optional[int] = None, details: bool = False, memory: Memory = MLX_MEMORY,
+                 rng_seed: Optional[int] = None):
         super().__init__(lm, draft_vocab, memory)  # memory: cleared after each prefill chunk and every 256 tokens
         self.depth, self.prefill_step = depth, prefill_step
-        self.row = Row(params, lm.eos_token_ids, lm.vocab_size, depth)
+        self.row = Row(params, lm.eos_token_ids, lm.vocab_size, depth, rng_seed)
         self.rows = [self.row]
         self.trunk_cache = self.target.make_cache()
         self.head_cache = self.head.make_cache()

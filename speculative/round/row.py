@@ -19,14 +19,17 @@ from .verify import agreeing_accept, greedy_accept, lossless_accept
 class Row:
     """One request in the round: its prompt, emitted tokens, rules and randomness."""
 
-    def __init__(self, params, eos: Sequence[int], vocab: int, depth: Optional[int] = None):
-        """`params`: the request's SamplingParams; `eos`: the token ids that end it."""
+    def __init__(self, params, eos: Sequence[int], vocab: int, depth: Optional[int] = None,
+                 rng_seed: Optional[int] = None):
+        """`params`: the request's SamplingParams; `eos`: the token ids that end it; `rng_seed`: the
+        unseeded draws' seed (drawn here when None)."""
         self.params = params
         self.depth = depth  # pinned by its request (whatever the others draft); None: the policy's
         self.eos = set(eos)
         self.draft_params = draft_params(params, vocab)  # q's warp (any q is exact)
         self.processors = PrefixProcessors(params)
-        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        seed = params.seed if params.seed is not None else rng_seed
+        seed = random.getrandbits(32) if seed is None else seed
         self.key = mx.random.key(seed)
         # A seeded sampled request draws as plain mlx-lm does: token i with the seed's i-th key, drafts
         # with their positions' keys, kept while they equal the trunk's draws (sampling.seeded_pick).
