@@ -29,10 +29,10 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from speculative import engine  # noqa: E402
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
-from speculative.draft_vocab.head import DraftLMHead, greedy_token, lm_head_module  # noqa: E402
+from speculative.draft_vocab.head import DraftLMHead, lm_head_module  # noqa: E402
+from speculative.measure.cost_model import draft_call, verify_call  # noqa: E402
 from speculative.measure.replay import ReplayedSpeculator, parse_profile  # noqa: E402
 from speculative.measure.thread_time import Usage, since, stamp  # noqa: E402
-from speculative.rollback import restore, snapshot  # noqa: E402
 from speculative.stats import GenerationStats  # noqa: E402
 
 
@@ -53,20 +53,10 @@ class Paired(ReplayedSpeculator):
         self._open = None  # (stamp at the round's start, its calls)
 
     def _calls(self) -> Dict[str, Usage]:
-        target, head, k, trunk = self.target, self.head, self.depth, self.trunk_cache
-        snap, last, g = snapshot(trunk), self.pending[None], self.head_hidden
-        rows = self.head_cache[0].offset
-
-        def verify():  # as cost_model's: every layer's state kept, the caches rewound
-            logits, _, tapes = target.verify(mx.repeat(last, k + 1, axis=1), trunk, self.rope)
-            restore(trunk, snap)
-            return [mx.argmax(logits, axis=-1)] + [t.states[-1] if t.states else t.conv_input for t in tapes]
-
-        def draft():
-            out = head(target.embed(last), g, self.head_cache, rope=self.rope)
-            self.head_cache[0].trim(self.head_cache[0].offset - rows)
-            return greedy_token(self.draft_lm_head, out[:, -1])
-
+        last = self.pending[None]  # the cost model's calls, on this round's own caches
+        verify = verify_call(self.target, self.trunk_cache, last, self.depth, self.rope)
+        draft = draft_call(self.target, self.head, self.head_cache, last, self.head_hidden, self.draft_lm_head,
+                           self.rope)
         return {"Tv": timed(verify, self.main), "Td": timed(draft, self.main)}
 
     def step(self):

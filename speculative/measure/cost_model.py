@@ -58,6 +58,30 @@ def interleaved(builds: Dict[object, object], reps: int, burst: int = 2) -> Dict
     return {name: s if s > 0 else queued(builds[name], 1) for name, s in medians.items()}
 
 
+def verify_call(target, trunk, last: mx.array, k: int, rope=None):
+    """A builder of one k+1-token verify of `last` repeated, on `trunk` rewound after it (every layer's
+    state kept in the result, so the whole pass is waited for)."""
+    snap = snapshot(trunk)
+
+    def build():
+        logits, _, tapes = target.verify(mx.repeat(last, k + 1, axis=1), trunk, rope)
+        restore(trunk, snap)
+        return [mx.argmax(logits, axis=-1)] + [t.states[-1] if t.states else t.conv_input for t in tapes]
+    return build
+
+
+def draft_call(target, head, head_cache, last: mx.array, hidden: mx.array, projection, rope=None):
+    """A builder of one head step from (`last`, `hidden`) and its greedy pick through `projection`, as
+    a greedy draft picks, on `head_cache` trimmed back after it."""
+    offset = head_cache[0].offset
+
+    def build():
+        out = head(target.embed(last), hidden, head_cache, rope=rope)
+        head_cache[0].trim(head_cache[0].offset - offset)
+        return greedy_token(projection, out[:, -1])
+    return build
+
+
 def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], reps: int = 15,
                burst: int = 2, draft_vocab: Optional[int] = None,
                other_projections: Optional[Dict[str, object]] = None,
@@ -88,26 +112,14 @@ def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], re
         restore(trunk, snap)
         return out
 
-    def verify(k):
-        def build():
-            logits, hid, tapes = target.verify(mx.repeat(last, k + 1, axis=1), trunk)
-            restore(trunk, snap)
-            return [mx.argmax(logits, axis=-1)] + [t.states[-1] if t.states else t.conv_input for t in tapes]
-        return build
-
     g = hidden[:, -1:]
-    offset = head_cache[0].offset
 
     def draft(projection):
-        def build():
-            out = head(target.embed(last), g, head_cache)
-            head_cache[0].trim(head_cache[0].offset - offset)
-            return greedy_token(projection, out[:, -1])  # as a greedy draft picks
-        return build
+        return draft_call(target, head, head_cache, last, g, projection)
 
     others = {("Td", name): draft(p) for name, p in (other_projections or {}).items()}
-    t = interleaved({"T1": step, "Td": draft(draft_projection), **{k: verify(k) for k in depths}, **others},
-                    reps, burst)
+    verify = {k: verify_call(target, trunk, last, k) for k in depths}
+    t = interleaved({"T1": step, "Td": draft(draft_projection), **verify, **others}, reps, burst)
     costs = {"T1": t["T1"], "Tv": {k: t[k] for k in depths}, "Td": t["Td"]}
     if others:
         costs["Td_other"] = {name: t[("Td", name)] for name in other_projections}
