@@ -144,15 +144,17 @@ class BatchSpeculator(Rounds):
         return row_id in self.ids
 
     def join(self, row_id: Hashable, prompt: Sequence[int], params: SamplingParams,
-             resume: Optional[Resume] = None, cuts: Sequence[int] = (), depth: Optional[int] = None) -> RowEvents:
+             resume: Optional[Resume] = None, cuts: Sequence[int] = (), depth: Optional[int] = None,
+             details: bool = False) -> RowEvents:
         """Prefill `prompt` alone (after `resume`'s prefix), then add the row to the batch; returns its
         first token. A row that ends at its first token never joins. `depth` pins the row's draft depth
-        (0: it never drafts), whatever the rounds' depth is; None: it drafts at the rounds' depth."""
+        (0: it never drafts), whatever the rounds' depth is; None: it drafts at the rounds' depth.
+        `details`: its Rounds carry each draft's p, q and acceptance chance (the playground's viewer)."""
         if row_id in self.ids:
             raise DynoError(f"row {row_id!r} is already in the batch")
         if len(prompt) == 0:
             raise DynoError("the prompt is empty")
-        alone = Speculator(self.lm, params, 1, self.prefill_step, self.draft_vocab, memory=self.memory)
+        alone = Speculator(self.lm, params, 1, self.prefill_step, self.draft_vocab, details, memory=self.memory)
         row = alone.row
         row.depth = depth
         row.prompt = list(prompt)
@@ -283,7 +285,7 @@ class BatchSpeculator(Rounds):
         """Each row's draft depth in a round at `depth`: its pinned one, else `depth`."""
         return [depth if r.depth is None else r.depth for r in self.rows]
 
-    def _deepest(self, depth: int) -> int:
+    def deepest(self, depth: int) -> int:
         """How deep a round at `depth` drafts: as deep as its deepest row (0 with no rows)."""
         return max(self.depths(depth), default=0)
 
@@ -301,7 +303,7 @@ class BatchSpeculator(Rounds):
         depths = self.depths(depth)
         k = max(depths)
         if k == 0:
-            return self._plain_round(self._deepest(then))
+            return self._plain_round(self.deepest(then))
         if self.queued is None or self.queued.depth != k:
             self._take_back()
             self._catch_up_head()
@@ -309,12 +311,13 @@ class BatchSpeculator(Rounds):
         (drafts, draft_probs), head_start = self.queued.drafts, self.queued.head_start
         self.queued = None
         out = self.verify_round(drafts, draft_probs, head_start, depths)
-        events = self._emit(depths, [a + 1 for a in out.accepted], out.drafts, out.nxt, out.processed, out.confident)
-        self._queue_next(self._deepest(then))  # computes while the host hands these tokens out
+        events = self._emit(depths, [a + 1 for a in out.accepted], out.drafts, out.nxt, out.processed, out.confident,
+                            out.details)
+        self._queue_next(self.deepest(then))  # computes while the host hands these tokens out
         return events
 
     def _emit(self, depths: List[int], kept: List[int], drafts: List[List[int]], nxt: List[int], processed,
-              confident: Optional[List] = None) -> Dict[Hashable, RowEvents]:
+              confident: Optional[List] = None, details: Optional[List] = None) -> Dict[Hashable, RowEvents]:
         """Each row's Round (when it drafted) and tokens, cut at its EOS or max_tokens; finished rows leave."""
         out, staying = {}, []
         for b, (row_id, row) in enumerate(zip(self.ids, self.rows)):
@@ -325,7 +328,8 @@ class BatchSpeculator(Rounds):
             last = Provenance.PLAIN if k == 0 else Provenance.BONUS if len(accepted) == k else Provenance.CORRECTION
             provenance = [Provenance.DRAFT] * len(accepted) + [last]
             flags = tuple(confident[b]) if confident else ()
-            events, finish = ([Round(k, len(accepted), tuple(drafts[b][:k]), confident=flags)] if k else []), None
+            why = details[b] if details else None
+            events, finish = ([Round(k, len(accepted), tuple(drafts[b][:k]), why, flags)] if k else []), None
             sent = 0
             for t, p, s in zip(tokens, provenance, scores):
                 row.generated.append(t)

@@ -259,7 +259,7 @@ class Speculator(Rounds):
         self.last_pass: Optional[LastPass] = None
         self.queued: Optional[Tuple[mx.array, Optional[mx.array]]] = None  # the next round's drafts, computing
         self.head_start = 0  # head cache rows before the queued drafts' recursion
-        self.details = details  # also read each draft's p, q and acceptance chance (RoundDetails)
+        self.row.details = details  # also read each draft's p, q and acceptance chance (RoundDetails)
         self.drafted: List[int] = []  # the latest step's drafts, as verified
         self.round_details: Optional[RoundDetails] = None  # the latest step's, when `details`
         # While the head's health is checked, each round also reads where the target was confident
@@ -278,6 +278,7 @@ class Speculator(Rounds):
     keys = _on_row("keys", "a seeded sampled request's KeyChain, else None")
     scores = _on_row("scores", "the latest prefill's or step's TokenLogprobs, one per emitted token")
     checkpoints = _on_row("checkpoints", "inherited from the resumed entry, and taken at cuts")
+    details = _on_row("details", "whether its Rounds carry each draft's p, q and acceptance chance")
 
     # The row's rules, by the names drafters that subclass this one call.
     def _split(self) -> mx.array:

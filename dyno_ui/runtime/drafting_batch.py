@@ -95,14 +95,18 @@ class DraftingBatch:
                 if job.cancelled.is_set():
                     self._end(row, "cancelled")
             if not self.active:
+                if w.swap is not None:  # a model swap waits, and no row is in flight
+                    break
                 continue
             width = len(self.batch)
             if gives_up(w.lm, w.spec.mode):  # a collapsed head under auto: plain rounds from now on
                 depth = then = 0
             else:
                 depth, then = w.policy.depth_for(width), w.policy.peek(width)
+            # A row pinned deeper than the policy's depth makes the round that deep: timed as such.
+            ran = self.batch.deepest(depth)
             try:
-                self.timer.start(width, depth, then)
+                self.timer.start(width, ran, self.batch.deepest(then))
                 start = time.perf_counter()
                 rounds = self.batch.step(depth, then)
                 seconds = time.perf_counter() - start
@@ -116,7 +120,7 @@ class DraftingBatch:
                 self.batch = self._new_batch()
                 w.metrics.set_width(0)
                 continue
-            w.metrics.record_round(width, depth, seconds)
+            w.metrics.record_round(width, ran, seconds)
             w.policy.observe(e for out in rounds.values() for e in out.events)
             for out in rounds.values():
                 for event in out.events:
@@ -139,7 +143,7 @@ class DraftingBatch:
     def _admit(self) -> bool:
         """Move queued jobs into the batch while there is room (waiting for one when idle); False once closed."""
         w = self.worker
-        while len(self.active) < w.concurrency:
+        while len(self.active) < w.concurrency and w.swap is None:  # a swap waiting: no row joins
             job = self.held
             if job is None:
                 if not self.active:  # an idle wait is no round's time
@@ -177,7 +181,8 @@ class DraftingBatch:
             at = len(resume) if resume else 0
             cuts = w.prefix_cache.plan(len(job.prompt), message_starts(job.prompt, w.marker), at)
             job.reused = at
-            out = self.batch.join(row, job.prompt, job.params, resume, cuts, depth=pinned_depth(job))
+            out = self.batch.join(row, job.prompt, job.params, resume, cuts, depth=pinned_depth(job),
+                                  details=job.spec is not None and job.spec.details)
         except Exception as e:  # this request alone is refused; the batch goes on
             log.exception("cannot add a request to the batch")
             w.fail(job, failure(e))

@@ -31,7 +31,7 @@ class Verified(NamedTuple):
     hidden: mx.array  # [B, k + 1, H] the trunk hiddens of the tokens verified
     tapes: list  # the verify pass's GDN tapes
     confident: List[Tuple[bool, ...]]  # Round.confident per row (empty while health is not checked)
-    details: List[Optional[RoundDetails]]  # per row, when `details`
+    details: List[Optional[RoundDetails]]  # per row, when its Row asks (Row.details)
 
 
 class Rounds:
@@ -50,7 +50,6 @@ class Rounds:
         self.memory = memory
 
     rope = None  # an image prompt's M-RoPE positions (target.MRoPE); None: mlx-lm's RoPE
-    details = False  # also read each draft's p, q and acceptance chance (RoundDetails)
     health = None  # the head's health (heads/health.py), while it is checked
 
     def _head(self, tokens: mx.array, hidden: mx.array, embeddings: Optional[mx.array] = None) -> mx.array:
@@ -115,10 +114,10 @@ class Rounds:
         mx.async_eval(logits, hidden)  # the trunk computes while Python builds the rest of the round
         n_acc, nxt, processed, targets = self._accept(logits, drafts, draft_probs, depths)
         # Gathers from the rows above, started now and read after the round's sync; no token depends on them.
-        checks = [self._checks(r, drafts[b, : d], draft_probs[b], targets[b], n_acc[b], nxt[b])
-                  for b, (r, d) in enumerate(zip(self.rows, depths))] if self.details else None
-        if checks is not None:
-            mx.async_eval(*[x for c in checks for x in c])
+        checks = [self._checks(r, drafts[b, : d], draft_probs[b], targets[b], n_acc[b], nxt[b]) if r.details else None
+                  for b, (r, d) in enumerate(zip(self.rows, depths))]
+        if asked := [x for c in checks if c is not None for x in c]:
+            mx.async_eval(*asked)
         confident = None
         if self.health is not None and self.health.checking:
             confident = [confident_rows(targets[b], d, logprobs=r.params.greedy)
@@ -145,7 +144,7 @@ class Rounds:
         return Verified(
             [d[: depths[b]] for b, d in enumerate(drafted)], accepted, nxt_ids, processed, hidden, tapes,
             [tuple(c.tolist()) for c in confident] if confident is not None else [()] * B,
-            [self._round_details(r, c) for r, c in zip(self.rows, checks)] if checks is not None else [None] * B)
+            [self._round_details(r, c) if c is not None else None for r, c in zip(self.rows, checks)])
 
     def _accept(self, logits: mx.array, drafts: mx.array, draft_probs: List,
                 depths: Sequence[int]) -> Tuple[mx.array, mx.array, list, list]:

@@ -40,6 +40,7 @@ class Row:
         # Per emitted token of the latest prefill or round, its TokenLogprobs (None when not asked for).
         self.scores: List = []
         self.checkpoints: Dict = {}  # its prompt's recurrent-state checkpoints, kept by the prefix cache
+        self.details = False  # its Rounds also carry each draft's p, q and acceptance chance (RoundDetails)
 
     @property
     def plain_greedy(self) -> bool:

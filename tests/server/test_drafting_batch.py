@@ -14,11 +14,12 @@ import httpx
 import pytest
 
 from dyno_ui.paths import BUNDLED_MODEL
-from dyno_ui.runtime.outputs import Failed, Finished
+from dyno_ui.runtime.outputs import Failed, Finished, Traced
 from dyno_ui.runtime.textstream import TextAssembler
 from dyno_ui.runtime.worker import Job
 from helpers.serving import MODEL_ID, running_server
 from speculative.config import SamplingParams, SpecConfig
+from speculative.events import Round, Token
 from speculative.round import depth_policy
 from speculative.round.depth_policy import BatchCosts, DepthPolicy
 from dyno_ui.server.run import describe
@@ -123,6 +124,40 @@ def test_every_request_in_a_batch_gets_its_answer_alone(serial, batched, caplog)
     assert metrics["mlx:batch_round_seconds_count{depth=3}"] == metrics["mlx:batch_rounds_by_depth_total{depth=3}"]
 
 
+def traced(server, spec: SpecConfig, max_tokens: int = 24) -> list:
+    """The engine events of one playground-style request (trace on, its own speculation)."""
+    out, lm = queue.Queue(), server.served.lm
+    server.served.worker.submit(Job(lm.tokenizer.encode(FIRST), SamplingParams(max_tokens=max_tokens),
+                                    TextAssembler(lm.tokenizer, []), out.put, spec=spec, trace=True, lm=lm))
+    events = []
+    while not isinstance(item := out.get(timeout=120), (Finished, Failed)):
+        if isinstance(item, Traced):
+            events.append(item.event)
+    assert isinstance(item, Finished), item
+    return events
+
+
+def test_the_playgrounds_traced_requests_get_the_serial_engines_rounds_and_details(serial, batched):
+    """What the playground shows, from a batch: tokens with provenance, each round's drafts and, with
+    details on, each draft's p and acceptance chance, as the serial engine gives them; `off` pinned at
+    depth 0 delivers the same text without rounds."""
+    spec = SpecConfig("mtp", 2, details=True)
+    alone, in_batch = traced(serial, spec), traced(batched, spec)
+    tokens = lambda events: [(e.id, e.provenance) for e in events if isinstance(e, Token)]
+    rounds = [e for e in in_batch if isinstance(e, Round)]
+    assert tokens(in_batch) == tokens(alone)
+    assert [(r.drafted, r.accepted, r.drafts) for r in rounds] == [
+        (r.drafted, r.accepted, r.drafts) for r in alone if isinstance(r, Round)]
+    assert rounds and all(r.details is not None and len(r.details.p) == r.drafted for r in rounds)
+    for r, s in zip(rounds, (e for e in alone if isinstance(e, Round))):
+        assert r.details.accept == s.details.accept and r.details.q == s.details.q == (None,) * r.drafted
+        assert r.details.p == pytest.approx(s.details.p, abs=1e-5)
+    plain = traced(batched, SpecConfig("off", 2))
+    assert [e.id for e in plain if isinstance(e, Token)] == [t for t, _ in tokens(alone)]
+    assert not any(isinstance(e, Round) for e in plain)
+    assert not any(isinstance(e, Round) and e.details for e in traced(batched, SpecConfig("mtp", 2)))
+
+
 def test_a_cancelled_row_is_counted_and_the_batch_goes_on(batched):
     before = batched.stats()["requests"]["cancelled"]
     stream = batched.client.completions.create(model=MODEL_ID, prompt="def h(z):", max_tokens=500, temperature=0,
@@ -205,6 +240,22 @@ def test_the_depth_policy_picks_each_rounds_depth_by_width(serial, monkeypatch):
     assert got == want
     assert set(by_depth) == {"0", "3"}
     assert set(chosen[1]) == {3} and all(set(chosen[w]) == {0} for w in chosen if w > 1)
+
+
+def test_a_round_that_a_pinned_row_deepens_is_timed_and_counted_at_the_depth_it_ran():
+    recorded = []
+
+    class Recording(DepthPolicy):
+        def record(self, width, depth, seconds, then=None):
+            recorded.append((width, depth, then))
+
+    policy = lambda lm, spec: Recording(None, [], pinned=1)  # noqa: E731
+    with running_server(BUNDLED_MODEL, SPEC, decode_concurrency=2, drafting_batch=True,
+                        worker_kw={"depth_policy": policy}) as server:
+        traced(server, SpecConfig("mtp", 3))  # the playground's request, pinned at 3
+        by_depth = server.stats()["batch"]["rounds_by_depth"]
+    assert set(by_depth) == {"3"}
+    assert recorded and {(w, d, t) for w, d, t in recorded} == {(1, 3, 3)}
 
 
 @pytest.mark.parametrize("drafting", [True, False], ids=["drafting-batch", "serial"])

@@ -13,7 +13,8 @@ from mlx_lm.sample_utils import make_sampler
 from helpers.reference import plain_greedy
 from dyno_ui.runtime.textstream import TextAssembler
 from dyno_ui.runtime.outputs import Failed, Finished
-from dyno_ui.runtime.worker import Job, greedy_row, guarded
+from dyno_ui.runtime.plain_batch import greedy_row, guarded
+from dyno_ui.runtime.worker import Job
 from helpers.serving import MODEL_ID, detokenize, running_server
 from speculative.measure.bench import run_mlx_lm
 from speculative.config import SamplingParams, SpecConfig
@@ -211,14 +212,18 @@ def test_template_kwargs_that_change_the_result_are_refused(tiny_dir, kwargs):
     assert r.json()["error"]["message"] == f"chat_template_kwargs: {next(iter(kwargs))!r} is set by the server"
 
 
-def test_a_model_load_while_requests_arrive_serves_each_with_one_model(tiny_dir, tiny_lm):
+@pytest.mark.parametrize("batched", [False, True], ids=["serial", "batched drafting"])
+def test_a_model_load_while_requests_arrive_serves_each_with_one_model(tiny_dir, tiny_lm, batched):
+    """The playground's Models tab swaps the model while two clients keep asking: every answer is one
+    model's, whole; a batch finishes its rows before the swap and then serves the new model."""
     from dyno_ui.playground.sessions import Sessions
 
     old, new = tiny_lm("tied-gqa2"), tiny_lm("untied-mha")
     ids = old.tokenizer.encode(PROMPT)  # both tiny models share the byte tokenizer
     old_answer, new_answer = (detokenize(lm, plain_greedy(lm, ids, 8)) for lm in (old, new))
     assert old_answer != new_answer
-    with running_server(tiny_dir("tied-gqa2"), SpecConfig("auto", 7)) as server:  # auto never picks 7
+    kw = dict(decode_concurrency=2, drafting_batch=True) if batched else {}
+    with running_server(tiny_dir("tied-gqa2"), SpecConfig("auto", 7), **kw) as server:  # auto never picks 7
         stop = threading.Event()
         replies = []
 
@@ -266,7 +271,7 @@ def test_a_job_checked_against_a_replaced_model_is_refused(tiny_dir, tiny_lm):
 
 
 def test_a_batched_request_whose_sampler_raises_fails_alone(tiny_dir, tiny_lm, monkeypatch):
-    import dyno_ui.runtime.worker as worker_module
+    import dyno_ui.runtime.plain_batch as batch_module
     from speculative.round.sampling import plain_sampler
 
     def sampler_for(params, vocab):  # the request with top-k 13 gets mlx-lm's top-k past the vocabulary
@@ -274,7 +279,7 @@ def test_a_batched_request_whose_sampler_raises_fails_alone(tiny_dir, tiny_lm, m
             return make_sampler(1.0, top_k=vocab + 5)
         return plain_sampler(params, vocab)
 
-    monkeypatch.setattr(worker_module, "plain_sampler", sampler_for)
+    monkeypatch.setattr(batch_module, "plain_sampler", sampler_for)
     lm = tiny_lm()
     want = detokenize(lm, plain_greedy(lm, lm.tokenizer.encode(PROMPT), 12))
     with running_server(tiny_dir(), decode_concurrency=3) as server:
