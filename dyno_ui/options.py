@@ -51,6 +51,11 @@ class ModelOptions:
         parse_head_bits(self.mtp_head_bits)
 
 
+# `--decode-concurrency auto`'s width: what mlx-lm's server batches and more than local clients
+# (an editor, an agent and its subagents) send at once; --max-batch-memory bounds the rows it admits.
+DEFAULT_BATCH_WIDTH = 8
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """A server: the model, where it listens, how it decodes, and what it shows."""
@@ -58,10 +63,12 @@ class ServeOptions:
     model: ModelOptions = ModelOptions()
     host: str = "127.0.0.1"
     port: int = 8080
-    decode_concurrency: int = 1
+    # Requests decoded together: "auto" batches up to DEFAULT_BATCH_WIDTH (rows admitted within
+    # --max-batch-memory), one at a time across split ranks; 1 decodes one at a time.
+    decode_concurrency: Union[int, str] = "auto"
     max_tokens_default: int = 512  # for requests that do not set max_tokens
     reasoning_budget: Optional[int] = None  # thinking tokens for chat requests that set no budget (None: unlimited)
-    ui: bool = True  # the playground at /ui (serial decoding only)
+    ui: bool = True  # the playground at /ui
     ui_front: bool = False  # `python app.py`: / redirects to the playground, Gradio's URL line last
     api_key: Optional[str] = None  # required on /v1/* and at the playground's login
     allowed_origins: Tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
@@ -99,8 +106,11 @@ class ServeOptions:
         for name in self.served_model_names:
             if not name or name != name.strip():
                 raise DynoError(f"--served-model-name must be a non-empty name without surrounding spaces, got {name!r}")
-        if self.decode_concurrency < 1:
-            raise DynoError(f"--decode-concurrency must be at least 1, got {self.decode_concurrency}")
+        if self.decode_concurrency != "auto" and (
+                isinstance(self.decode_concurrency, bool) or not isinstance(self.decode_concurrency, int)
+                or self.decode_concurrency < 1):
+            raise DynoError(f"--decode-concurrency must be a number of requests (1 or more) or auto, "
+                            f"got {self.decode_concurrency!r}")
         for name in ("max_images", "max_image_bytes", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise DynoError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -115,5 +125,12 @@ class ServeOptions:
                             "drop --decode-concurrency")
 
     @property
+    def width(self) -> int:
+        """Requests decoded together: the number given, or auto's (one across split ranks)."""
+        if self.decode_concurrency != "auto":
+            return self.decode_concurrency
+        return 1 if self.model.distributed else DEFAULT_BATCH_WIDTH
+
+    @property
     def batched(self) -> bool:
-        return self.decode_concurrency > 1
+        return self.width > 1

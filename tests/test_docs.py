@@ -321,7 +321,8 @@ def test_readme_serve_and_its_curl_examples(args):
     README's curl lines sent to it."""
     server = Started(dyno_server(*args[1:], "--port", "0"))
     try:
-        base = server.wait_for(r"dyno: serving dyno-tiny at (http://\S+)/v1 \(MTP drafting, depth \d+\)$").group(1)
+        base = server.wait_for(r"dyno: serving dyno-tiny at (http://\S+)/v1 \(batched MTP drafting of up to 8 "
+                               r"requests, depth 0-\d chosen each round by measured cost\)$", timeout=120).group(1)
         server.wait_for(rf"dyno: playground at {re.escape(base)}/ui/$", timeout=30)
         for words in CURL:
             r = curl(words, base)

@@ -1,6 +1,6 @@
 """`dyno serve`: the flags, as ServeOptions for the server."""
 
-from ..options import ServeOptions
+from ..options import DEFAULT_BATCH_WIDTH, ServeOptions
 from .common import access_options, add_access_args, add_model_args, add_thinking_arg, model_options
 
 
@@ -12,9 +12,11 @@ def add_command(sub) -> None:
     add_model_args(p)
     p.add_argument("--host", default=ServeOptions.host, help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=ServeOptions.port, help="port (default: %(default)s; 0 picks a free one)")
-    p.add_argument("--decode-concurrency", type=int, default=ServeOptions.decode_concurrency, metavar="N",
-                   help="requests decoded together; above 1 they are batched, drafting in batches when the model "
-                        "has an MTP head (default: %(default)s)")
+    p.add_argument("--decode-concurrency", type=concurrency, default=ServeOptions.decode_concurrency,
+                   metavar="N|auto",
+                   help="requests decoded together, batched and drafting in batches when the model has an MTP head; "
+                        f"1 decodes one at a time (default: %(default)s, up to {DEFAULT_BATCH_WIDTH} within "
+                        "--max-batch-memory; 1 with --distributed)")
     p.add_argument("--max-batch-memory", metavar="SIZE",
                    help="memory batched requests may hold (keys, values and states for prompt + max_tokens, "
                         "estimated), e.g. 8GB; more wait (default: 1/4 of what the model leaves of the recommended "
@@ -48,6 +50,11 @@ def add_command(sub) -> None:
     add_access_args(p)
     add_thinking_arg(p)
     p.set_defaults(func=cmd_serve)
+
+
+def concurrency(value: str):
+    """--decode-concurrency: a number, or auto (ServeOptions checks the range, as for every flag)."""
+    return value if value == "auto" else int(value) if value.strip().lstrip("-").isdigit() else value
 
 
 def options_from(args) -> ServeOptions:

@@ -52,9 +52,8 @@ def make_app(served, ui: bool = True, ui_front: bool = False, options: ServeOpti
     """The server's app, with the playground at /ui (and / redirecting to it when `ui_front`)."""
     from .app import create_app
 
-    playground = ui and served.worker.concurrency == 1
-    app = create_app(served, options=options, root=not (playground and ui_front))  # else / opens the playground
-    if playground:  # the playground drafts and swaps models: serial mode
+    app = create_app(served, options=options, root=not (ui and ui_front))  # else / opens the playground
+    if ui:
         from fastapi.responses import RedirectResponse
 
         from ..playground.ui import UI_PATH, mount
@@ -142,7 +141,7 @@ def run(options: ServeOptions) -> int:
                           notify=notify, split=split)
 
     # Split across ranks: no prompt cache (each rank's store would evict by its own shard's bytes).
-    worker = EngineWorker(load, decode_concurrency=options.decode_concurrency,
+    worker = EngineWorker(load, decode_concurrency=options.width,
                           prompt_cache_bytes=0 if split else options.prompt_cache_bytes,
                           prompt_cache_dir=None if split else options.prompt_cache_dir,
                           prompt_cache_disk_bytes=options.prompt_cache_disk_bytes, max_queue=options.max_queue,
@@ -155,7 +154,7 @@ def run(options: ServeOptions) -> int:
     sock = listen(options.host, options.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    ui = options.ui and worker.concurrency == 1 and split is None  # its Models tab would swap one rank's model
+    ui = options.ui and split is None  # its Models tab would swap one rank's model
     ui_front = ui and options.ui_front
     app = make_app(served, ui=ui, ui_front=ui_front, options=options)
     for line in open_warning(options.host, options.api_key):

@@ -127,7 +127,8 @@ def test_dyno_serve_command(tiny_dir, tiny_lm):
     proc = dyno_server("--model", str(tiny_dir()), "--port", "0", "--draft-depth", "2")
     try:
         line = proc.stdout.readline()
-        m = re.match(r"^dyno: serving (\S+) at (http://127\.0\.0\.1:\d+/v1) \(MTP drafting, depth 2\)$", line)
+        m = re.match(r"^dyno: serving (\S+) at (http://127\.0\.0\.1:\d+/v1) "
+                     r"\(batched MTP drafting of up to 8 requests, depth 2\)$", line)
         assert m, line + proc.stderr.read() if proc.poll() is not None else line
         (a,) = tiny_lm().tokenizer.encode("A")
         client = openai.OpenAI(base_url=m.group(2), api_key="unused", max_retries=0)
@@ -138,7 +139,7 @@ def test_dyno_serve_command(tiny_dir, tiny_lm):
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     # 1 prefill token + 2 rounds x (2 drafts + bonus)
-    assert err.strip().splitlines()[-1] == "MTP: 7 tokens in 2 rounds (3.00 per round), 4/4 drafts accepted"
+    assert err.strip().splitlines()[-1].startswith("MTP: 7 tokens in 2 rounds (3.00 per round), 4/4 drafts accepted")
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +150,8 @@ def headless(tmp_path_factory):
 @pytest.mark.parametrize("args, message", [
     (["--speculative", "mtp"], "no MTP head for"),
     (["--speculative", "mtp", "--decode-concurrency", "2"], "no MTP head for"),
-    (["--decode-concurrency", "0"], "--decode-concurrency must be at least 1, got 0"),
+    (["--decode-concurrency", "0"], "--decode-concurrency must be a number of requests (1 or more) or auto, got 0"),
+    (["--decode-concurrency", "many"], "--decode-concurrency must be a number of requests (1 or more) or auto, got 'many'"),
     (["--reasoning-budget", "-1"], "--reasoning-budget must be 0 or more, got -1"),
 ])
 def test_serve_refuses_what_it_cannot_do(headless, capsys, args, message):
