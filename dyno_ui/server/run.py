@@ -146,7 +146,7 @@ def run(options: ServeOptions) -> int:
                           prompt_cache_dir=None if split else options.prompt_cache_dir,
                           prompt_cache_disk_bytes=options.prompt_cache_disk_bytes, max_queue=options.max_queue,
                           max_batch_memory=options.max_batch_memory,
-                          depth_policy=lambda lm, spec: resolve_policy(lm, m.draft_depth, spec.draft_vocab))
+                          depth_policy=lambda lm, spec: resolve_policy(lm, m.draft_depth, spec.draft_vocab, notify))
     lm = worker.start()  # notices were printed while loading
     served = ServedModel(id=lm.name, lm=lm, worker=worker, default_max_tokens=options.max_tokens_default,
                          created=int(time.time()), names=options.served_model_names,

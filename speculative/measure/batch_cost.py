@@ -2,7 +2,7 @@
 cost model of round/depth_policy.py), and the policy a server starts with (resolve_policy)."""
 
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -128,9 +128,10 @@ def prior_acceptance(lm: LoadedModel, draft_vocab: Optional[int] = None) -> List
     return list(found.get("acceptance") or [PRIOR_FIRST * PRIOR_DECAY**i for i in range(MAX_DEPTH)])
 
 
-def resolve_policy(lm: LoadedModel, requested, draft_vocab: Optional[int] = None) -> DepthPolicy:
+def resolve_policy(lm: LoadedModel, requested, draft_vocab: Optional[int] = None,
+                   notify: Callable[[str], None] = lambda message: None) -> DepthPolicy:
     """`--draft-depth N`: a policy pinned at N; "auto": the costs `dyno tune` stored, else a quick
-    measurement (a few seconds; stored with the entry, so the next start reads it)."""
+    measurement (seconds; stored with the entry, so the next start reads it), announced by `notify`."""
     if requested != "auto":
         return DepthPolicy(None, [], pinned=int(requested))
     found = stored(lm, draft_vocab)
@@ -141,6 +142,8 @@ def resolve_policy(lm: LoadedModel, requested, draft_vocab: Optional[int] = None
     single = int(found.get("depth", 1))
     if found.get("batch_costs"):
         return DepthPolicy(BatchCosts.from_json(found["batch_costs"]), prior, single=single)
+    notify("dyno: timing batched rounds of this model on this machine, once (stored for later starts; "
+           "--decode-concurrency 1 serves without them)")
     prompt = lm.tokenizer.encode(ESTIMATE_PROMPT) or [0]
     costs = measure_batch_costs(lm, prompt, reps=3, draft_vocab=draft_vocab)
     details = {k: v for k, v in found.items() if k not in ("depth", "draft_vocab")}
