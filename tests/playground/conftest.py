@@ -56,18 +56,21 @@ def served(model_dir):
     """(ServedModel, URL) of `python app.py`'s app (API + playground in front) on a free port, in this process."""
     from helpers.serving import serving_in_thread
 
+    from dyno_ui.options import ServeOptions
     from dyno_ui.runtime.served import ServedModel
     from dyno_ui.server.run import make_app
     from dyno_ui.runtime.worker import EngineWorker
     from speculative.config import SpecConfig
     from speculative.loader import load_checkpoint
 
+    # Batched drafting, as `python app.py` serves by default (the depth pinned here, measured there).
+    width = ServeOptions().width
     if SCREENSHOT_RUN:  # as `python app.py` loads it: draft vocabulary and depth settled by `auto`
         from speculative import load_model
 
-        worker = EngineWorker(lambda: load_model(model_dir))
+        worker = EngineWorker(lambda: load_model(model_dir), decode_concurrency=width)
     else:
-        worker = EngineWorker(lambda: (load_checkpoint(model_dir), SpecConfig("auto", 3)))
+        worker = EngineWorker(lambda: (load_checkpoint(model_dir), SpecConfig("auto", 3)), decode_concurrency=width)
     lm = worker.start()
     served = ServedModel(id=lm.path.name, lm=lm, worker=worker, default_max_tokens=48, created=0)
     with serving_in_thread(make_app(served, ui_front=True), lifespan="on", start_timeout=60) as url:
