@@ -9,6 +9,10 @@ recurrent state). Rows leave between rounds. Rollback is exact per row: a row's 
 are rolled into its own left padding, where the mask hides them (a zeroed key would still add e^0
 to the softmax denominator), and its GDN state is taken from its own position on the verify tape.
 
+A row that leaves (EOS or max_tokens in a round, a stop string or a cancel between rounds) hands
+back its own caches and its latest pass (Leaving), which settle, as the single-row Speculator's do,
+to the tokens its consumer received: the state a prompt cache keeps for the request's next turn.
+
 Depth 0 is a plain batched round: the trunk alone over each row's pending token, no Round event
 (a round that drafts nothing is not a drafting round), the head's rows deferred until drafting resumes.
 Each round queues the next one's first work before it hands its tokens out, so the device computes
@@ -23,16 +27,16 @@ from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from .rollback import restore, snapshot
+from .rollback import GDNTape, restore, snapshot, tape_row
 from .round.rounds import Rounds
 from .round.row import Row
 from .config import SamplingParams
-from .engine import PREFILL_STEP, Speculator
+from .engine import PREFILL_STEP, LastPass, Speculator, settled
 from .errors import DynoError
 from .events import Provenance, Round, Token
 from .loader import LoadedModel
 from .backend.memory import MLX_MEMORY, Memory
-from .prompt_cache.store import Resume, ShiftedKVCache
+from .prompt_cache.store import PrefixEntry, Resume, ShiftedKVCache, own_rows
 from .round.sampling import log_softmax
 
 # Depth-0 rounds owe the head this many rows at most before it runs over them in one pass: the
@@ -76,11 +80,43 @@ def keep_rows(batch: List, indices: List[int]) -> None:
 
 # ---- the speculator ----
 
+class RowPass(NamedTuple):
+    """A row's latest trunk pass (its join's prefill, a plain pass or a verify pass): what settles
+    the row, as it leaves, to fewer of its tokens than the caches hold (engine.LastPass)."""
+
+    tapes: Optional[List[GDNTape]]  # the verify pass's; None: only all `kept` can be settled to
+    hidden: mx.array  # [B', T, H] trunk hiddens of the pass's rows
+    kept: int  # of the pass's T tokens, how many the row's caches hold
+    at: int  # the row's index in that pass
+
+
+class Leaving:
+    """A row that left the batch: its own caches (extracted) and its latest pass, on them (tapes of
+    its own rows, its hiddens), to be settled once."""
+
+    def __init__(self, row: Row, trunk: List, head: Optional[List], last: LastPass):
+        self.row, self.trunk, self.head, self.last = row, trunk, head, last
+
+    def settle(self, emitted: int) -> PrefixEntry:
+        """The row's state after its prompt and first `emitted` tokens minus the last (the pending
+        one), as Speculator.settle: a stop or cancel inside the latest round keeps less than it fed."""
+        row, last = self.row, self.last
+        keep = last.committed - (len(row.generated) - emitted)
+        if keep < 1 or (keep < last.committed and last.tapes is None):
+            raise DynoError(f"a leaving row cannot be settled to {emitted} of its {len(row.generated)} tokens")
+        entry = settled(row.prompt, row.generated, emitted, self.trunk, self.head,
+                        last._replace(tapes=last.tapes or []), row.checkpoints)
+        entry.trunk_cache = [own_rows(c) for c in entry.trunk_cache]  # not slices of the batch's arrays
+        entry.head_cache = entry.head_cache and [own_rows(c) for c in entry.head_cache]
+        return entry
+
+
 class RowEvents(NamedTuple):
     """What one row emitted in a join or a round, and why it finished (None: it goes on)."""
 
     events: List[Union[Round, Token]]
     finish: Optional[str] = None  # "stop" (EOS) or "length" (max_tokens)
+    left: Optional[Union[Leaving, Speculator]] = None  # a row that finished: its state, to settle
 
 
 class PlainPass(NamedTuple):
@@ -136,6 +172,7 @@ class BatchSpeculator(Rounds):
         self.ahead: Optional[PlainPass] = None  # the next plain round's pass, queued by this one
         self.last_hidden: Optional[mx.array] = None  # the latest joiner's trunk hidden at its prompt's end
         self.queued: Optional[QueuedDrafts] = None  # the next drafting round's drafts, queued by this one
+        self.passes: List[RowPass] = []  # row b's latest trunk pass, to settle it by as it leaves
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -154,6 +191,7 @@ class BatchSpeculator(Rounds):
             raise DynoError(f"row {row_id!r} is already in the batch")
         if len(prompt) == 0:
             raise DynoError("the prompt is empty")
+        self._delivered()  # (before the prefill: the tapes' memory is free for it)
         alone = Speculator(self.lm, params, 1, self.prefill_step, self.draft_vocab, details, memory=self.memory)
         row = alone.row
         row.depth = depth
@@ -162,7 +200,7 @@ class BatchSpeculator(Rounds):
         self.last_hidden = alone.last_pass.hidden  # [1, 1, H] the trunk's at the prompt's last token
         out = RowEvents([Token(row.generated[0], Provenance.PLAIN, row.scores[0])], row.finish(1))
         if out.finish is not None:
-            return out
+            return out._replace(left=alone)  # its caches are its own: it settles them itself
         self._take_back()
         self._catch_up_head()  # the rows already here owe head rows; the joiner owes none
         trunk, head = as_batch(alone.trunk_cache), as_batch(alone.head_cache)
@@ -176,26 +214,60 @@ class BatchSpeculator(Rounds):
             self.pending, self.head_hidden = alone.pending, alone.head_hidden
         self.ids.append(row_id)
         self.rows.append(row)
+        self.passes.append(RowPass(None, alone.last_pass.hidden, 1, 0))  # its prefill: one token kept
         return out
 
-    def leave(self, row_id: Hashable) -> None:
-        """Drop a row (a stop string, a cancel, an error) between rounds."""
-        self._keep([b for b, i in enumerate(self.ids) if i != row_id])
+    def leave(self, row_id: Hashable) -> Optional[Leaving]:
+        """Drop a row (a stop string, a cancel, an error) between rounds; returns its state to settle
+        (to as few of the latest round's tokens as its consumer received, until the next join or
+        round), or None if it is not here."""
+        return self._keep([b for b, i in enumerate(self.ids) if i != row_id]).get(row_id)
 
-    def _keep(self, indices: List[int]) -> None:
+    def _keep(self, indices: List[int]) -> Dict[Hashable, Leaving]:
+        """Keep only the rows at `indices`; returns the others' states, to settle."""
         if len(indices) == len(self.ids):
-            return
-        self._take_back()
+            return {}
+        self._take_back()  # (the caches hold each row's emitted tokens but its pending one)
+        left = {self.ids[b]: self._leaving(b) for b in range(len(self.ids)) if b not in indices}
         self.ids = [self.ids[b] for b in indices]
         self.rows = [self.rows[b] for b in indices]
+        self.passes = [self.passes[b] for b in indices]
         if not indices:
             self.trunk_cache, self.head_cache, self.pending, self.head_hidden = [], [], None, None
             self.backlog = []
-            return
+            return left
         keep_rows(self.trunk_cache + self.head_cache, indices)
         index = mx.array(indices)
         self.pending, self.head_hidden = self.pending[index], self.head_hidden[index]
         self.backlog = [(tokens[index], hidden[index]) for tokens, hidden in self.backlog]
+        return left
+
+    def _leaving(self, b: int) -> Leaving:
+        """Row b's own caches and latest pass (lazy slices: nothing runs unless it is settled)."""
+        trunk = [c.extract(b) for c in self.trunk_cache]
+        own = {id(c): mine for c, mine in zip(self.trunk_cache, trunk)}  # a tape's layer -> the row's
+        p = self.passes[b]
+        tapes = None if p.tapes is None else [tape_row(t, p.at, own[id(t.cache)]) for t in p.tapes]
+        last = LastPass(tapes, p.hidden[p.at : p.at + 1], p.kept)
+        return Leaving(self.rows[b], trunk, self._head_rows(b), last)
+
+    def _head_rows(self, b: int) -> Optional[List]:
+        """Row b's head caches, a row per trunk position (those depth-0 rounds owe it run now, on its
+        own copy), or None when it has fewer (it joined with a shifted head: a headless entry)."""
+        row = self.rows[b]
+        head = [c.extract(b) for c in self.head_cache]
+        if any(h.offset + len(self.backlog) != len(row.prompt) + len(row.generated) - 1 for h in head):
+            return None
+        if self.backlog:
+            tokens = mx.concatenate([t[b : b + 1] for t, _ in self.backlog], axis=1)
+            hidden = mx.concatenate([h[b : b + 1] for _, h in self.backlog], axis=1)
+            self.head(self.target.embed(tokens), hidden, head, rope=self.rope)
+        return head
+
+    def _delivered(self) -> None:
+        """Every row's consumer has had all its tokens (a join or a round comes next): the rows settle
+        to all of them, and the verify tapes go (their memory with them)."""
+        self.passes = [p._replace(tapes=None) for p in self.passes]
 
     def _catch_up_head(self) -> None:
         """Run the head over the rows the depth-0 rounds deferred: every row owes the same count."""
@@ -270,6 +342,7 @@ class BatchSpeculator(Rounds):
             self._take_back()
         now, self.ahead = self.ahead or self._plain_pass(), None
         self.pending = now.nxt
+        self.passes = [RowPass(None, now.hidden, 1, b) for b in range(len(self.rows))]
         self.backlog.append((now.nxt[:, None], now.hidden))
         if len(self.backlog) >= HEAD_BACKLOG:
             self._catch_up_head()
@@ -298,6 +371,7 @@ class BatchSpeculator(Rounds):
         A round where no row drafts is a plain round: each row's next token, no Round event."""
         if not self.ids:
             return {}
+        self._delivered()
         self.clearing.add()
         then = depth if then is None else then
         depths = self.depths(depth)
@@ -311,6 +385,7 @@ class BatchSpeculator(Rounds):
         (drafts, draft_probs), head_start = self.queued.drafts, self.queued.head_start
         self.queued = None
         out = self.verify_round(drafts, draft_probs, head_start, depths)
+        self.passes = [RowPass(out.tapes, out.hidden, a + 1, b) for b, a in enumerate(out.accepted)]
         events = self._emit(depths, [a + 1 for a in out.accepted], out.drafts, out.nxt, out.processed, out.confident,
                             out.details)
         self._queue_next(self.deepest(then))  # computes while the host hands these tokens out
@@ -342,5 +417,6 @@ class BatchSpeculator(Rounds):
             out[row_id] = RowEvents(events, finish)
             if finish is None:
                 staying.append(b)
-        self._keep(staying)
+        for row_id, left in self._keep(staying).items():  # settled by the caller to what it delivers
+            out[row_id] = out[row_id]._replace(left=left)
         return out

@@ -395,16 +395,26 @@ class Speculator(Rounds):
         right after its Round event), leaving the trunk with committed tokens nobody received. The
         last emitted token stays out, as the pending token always does.
         """
-        tapes, hidden, committed, before = self.last_pass
-        keep = committed - (len(self.generated) - emitted)  # of the last pass's tokens
-        # The caches hold `committed` tokens of that pass; the tapes restore any prefix of it.
-        rollback(self.trunk_cache, tapes, fed=committed, consumed=keep)
-        tokens = tuple(self.prompt + self.generated[: emitted - 1])
-        self._trim_head(len(tokens) - 1)  # one row short: that row pairs the last position with the next token
-        last_hidden = hidden[:, keep - 1 : keep] if keep else before
-        head = self.head_cache if last_hidden is not None else None  # no hidden: its open row cannot be built
-        return PrefixEntry(tokens, self.trunk_cache, head, last_hidden,
-                           {p: cp for p, cp in self.checkpoints.items() if p < len(tokens)})
+        return settled(self.prompt, self.generated, emitted, self.trunk_cache, self.head_cache, self.last_pass,
+                       self.checkpoints)
+
+
+def settled(prompt: List[int], generated: List[int], emitted: int, trunk: List, head: Optional[List],
+            last: LastPass, checkpoints: Dict[int, Checkpoint]) -> PrefixEntry:
+    """One row's caches (holding `prompt` and `generated` but the last, `last` the pass that fed the
+    latest of them) settled to the prompt and the first `emitted` tokens minus the last; `head`
+    (None: none kept) holds a row per trunk position. A batch row that leaves settles here too."""
+    tapes, hidden, committed, before = last
+    keep = committed - (len(generated) - emitted)  # of the last pass's tokens
+    # The caches hold `committed` tokens of that pass; the tapes restore any prefix of it.
+    rollback(trunk, tapes, fed=committed, consumed=keep)
+    tokens = tuple(prompt + generated[: emitted - 1])
+    last_hidden = hidden[:, keep - 1 : keep] if keep else before
+    if head is not None:  # one row short: that row pairs the last position with the next token
+        for c in head:
+            c.trim(c.size() - (len(tokens) - 1))
+    head = head if last_hidden is not None else None  # no hidden: its open row cannot be built
+    return PrefixEntry(tokens, trunk, head, last_hidden, {p: cp for p, cp in checkpoints.items() if p < len(tokens)})
 
 
 Runner = Union[Speculator, PlainRun]  # what `generate` drives: run(prompt, resume, cuts), then settle(emitted)

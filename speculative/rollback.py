@@ -61,6 +61,16 @@ class GDNTape:
         return self.states if self.states is not None else range(self.replay.q.shape[1])
 
 
+def tape_row(tape: GDNTape, b: int, cache: Any) -> GDNTape:
+    """Row b of a batch pass's tape, committing into `cache` (that row's own layer cache, extracted)."""
+    def row(x: mx.array) -> mx.array:
+        return x[b : b + 1]
+
+    replay = None if tape.replay is None else Replay(*map(row, tape.replay[:5]), tape.replay.layer)
+    states = None if tape.states is None else [row(s) for s in tape.states]
+    return GDNTape(cache, row(tape.conv_input), row(tape.state_before), states, replay)
+
+
 def replay_rows(replay: Replay, state_before: mx.array, end_state: mx.array, consumed: Sequence[int]) -> mx.array:
     """Row i's state after its first consumed[i] steps, all rows in one gated_delta_update call; a row
     that consumed every step keeps `end_state`, the pass's own final state.

@@ -3,9 +3,10 @@ speculative.batched.BatchSpeculator, every row drafting with the MTP head.
 
 Rows join between rounds while the batch has room (the decode concurrency) and the memory budget
 allows (admission.py); each is prefilled alone from the prompt cache's longest prefix, and the state
-after its prompt is kept there for later requests (the state a row reaches by the end is not: the
-batch drops a row's caches when it finishes). Rows leave at EOS, max_tokens, a stop string, a cancel,
-or an error of their own (its processors or its output raising): that row fails, the others go on.
+after its prompt is kept there for later requests. Rows leave at EOS, max_tokens, a stop string, a
+cancel, or an error of their own (its processors or its output raising): that row fails, the others go
+on. A row that finishes (not one that fails) also keeps its final state, settled as the serial
+engine's to the tokens its client received but the last, so that a chat's next turn reuses the answer.
 Each round's depth is the worker's DepthPolicy's for the rows in it (pinned by --draft-depth N, else
 chosen by measured cost, 0 included), except for a row whose request sets its own (pinned_depth),
 which keeps that; the policy learns acceptance and round times from the rounds it sees. The rounds also feed the head's health (speculative/heads/health.py); a head found
@@ -19,7 +20,7 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
-from speculative.batched import BatchSpeculator, RowEvents
+from speculative.batched import BatchSpeculator, Leaving, RowEvents
 from speculative.events import Round, Token
 from speculative.heads.health import gives_up, watch
 from speculative.round.depth_policy import RoundTimer
@@ -245,18 +246,19 @@ class DraftingBatch:
             return
         reason = reason or out.finish
         if reason is not None:
-            self._end(row, reason)
+            self._end(row, reason, out.left)
 
-    def _leave(self, row: int) -> None:
-        if row in self.batch:
-            self.batch.leave(row)
+    def _leave(self, row: int) -> Optional[Leaving]:
+        left = self.batch.leave(row) if row in self.batch else None
         self.active.pop(row, None)
         self.bytes.pop(row, None)
         self.worker.metrics.set_width(len(self.batch))
+        return left
 
-    def _end(self, row: int, reason: str) -> None:
+    def _end(self, row: int, reason: str, left=None) -> None:
+        """Finish a row (`left`: its state, when it already left the batch in its round or never joined)."""
         w, job = self.worker, self.active[row]
-        self._leave(row)
+        self._keep_final(job, self._leave(row) or left)
         if reason == "cancelled" and not job.cancelled.is_set():  # cut by shutdown, not by its client
             w.fail(job, STOPPED, 503)
             return
@@ -265,6 +267,17 @@ class DraftingBatch:
         except Exception as e:
             log.exception("a batched request failed")
             w.fail(job, failure(e))
+
+    def _keep_final(self, job, left) -> None:
+        """Keep the row's state after the tokens its client received but the last (the pending one,
+        as the serial engine's `settle`), so that the next turn resumes after this answer."""
+        cache = self.worker.prefix_cache
+        if left is None or cache is None or not cache.enabled:
+            return
+        try:
+            cache.put(left.settle(len(job.stats.tokens)))  # (each token delivered was counted first)
+        except Exception:  # the answer matters more than keeping its state
+            log.exception("cannot keep a batched request's final state")
 
     def fail(self, row: int, error: BaseException) -> None:
         job = self.active[row]

@@ -373,3 +373,87 @@ def test_rows_pinned_to_their_own_depths_share_rounds(bundled):
         if len(want) == seeded.max_tokens or (want and want[-1] in lm.eos_token_ids):
             break
     assert tokens(events["seeded"]) == want
+
+
+def next_turn(lm, cache, prompt, n=30):
+    """A request resumed from `cache`'s longest entry, drafting in a batch: (its tokens, its Resume)."""
+    resume = cache.take(prompt, head_layers=len(lm.head.layers))
+    batch = BatchSpeculator(lm)
+    out = batch.join("next", prompt, SamplingParams(max_tokens=n), resume, cache.plan(len(prompt), (), len(resume)))
+    got = tokens(out.events)
+    while batch:
+        for out in batch.step(3).values():
+            got += tokens(out.events)
+    return got, resume
+
+
+def assert_resumes_exactly(lm, entries, prompts, delivered):
+    """Each row's entry holds its prompt and delivered tokens but the last, with head rows; a next turn
+    (the conversation so far and a new line) resumes at its end and answers as plain greedy decoding."""
+    cache = PrefixCache()
+    for i, entry in entries.items():
+        assert list(entry.tokens) == prompts[i] + delivered[i][:-1], i
+        assert entry.last_hidden is not None and {c.offset for c in entry.head_cache} == {len(entry.tokens) - 1}, i
+        cache.put(entry)
+    for i in entries:
+        prompt = prompts[i] + delivered[i] + lm.tokenizer.encode("\n# next\n")
+        got, resume = next_turn(lm, cache, prompt)
+        assert len(resume) == len(prompts[i]) + len(delivered[i]) - 1 and resume.hidden is not None, i
+        assert got == plain_greedy_prefix(lm, prompt, 30), i
+
+
+@pytest.mark.parametrize("name", ["dyno-tiny", "dyno-tiny-moe"])
+def test_rows_finishing_inside_a_round_keep_states_that_resume_exactly(bundled, name):
+    """Rows end at max_tokens or EOS before their round's last token (the round committed tokens past
+    it), several in one round: each settles to the tokens it emitted but the last."""
+    lm = bundled(name)
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+    limits = [5, 6, 40, 9]  # the MoE model ends row 2 at EOS, its 7th token
+    batch = BatchSpeculator(lm)
+    got = {i: tokens(batch.join(i, p, SamplingParams(max_tokens=limits[i])).events) for i, p in enumerate(prompts)}
+    left, finish = {}, {}
+    while batch:
+        for i, out in batch.step(3).items():
+            got[i] += tokens(out.events)
+            if out.finish:
+                left[i], finish[i] = out.left, out.finish
+    assert sum(len(x.row.generated) > len(got[i]) for i, x in left.items()) >= 2  # cut inside their rounds
+    assert ("stop" in finish.values()) == (name == "dyno-tiny-moe")
+    for i, prompt in enumerate(prompts):
+        assert got[i] == plain_greedy_prefix(lm, prompt, limits[i]), i
+    assert_resumes_exactly(lm, {i: x.settle(len(got[i])) for i, x in left.items()}, prompts, got)
+
+
+def test_rows_stopped_inside_a_round_or_after_plain_rounds_keep_what_they_delivered(bundled):
+    """A stop string after the first of a round's tokens: the row leaves between rounds and settles to
+    the tokens delivered (its tape undoes the rest); a cancel after depth-0 rounds: the head rows they
+    owe are run for that row alone. The rows staying stay plain greedy."""
+    lm = bundled("dyno-tiny")
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+    batch = BatchSpeculator(lm)
+    got = {i: tokens(batch.join(i, p, SamplingParams(max_tokens=40)).events) for i, p in enumerate(prompts)}
+    delivered, entries = {}, {}
+
+    def step(depth):
+        outs = {i: tokens(out.events) for i, out in batch.step(depth).items()}
+        for i, new in outs.items():
+            got[i] += new
+        return outs
+
+    while 0 in batch:  # row 0 stops after the first token of the first round that gives it several
+        new = step(3)[0]
+        if len(new) > 1:
+            delivered[0] = got[0][: len(got[0]) - len(new) + 1]
+            entries[0] = batch.leave(0).settle(len(delivered[0]))
+    for _ in range(3):
+        step(0)
+    assert batch.backlog  # the head owes row 1 the plain rounds' rows
+    delivered[1] = got[1]
+    entries[1] = batch.leave(1).settle(len(delivered[1]))
+    while batch:
+        step(3)
+    for i in (2, 3):
+        assert got[i] == plain_greedy_prefix(lm, prompts[i], 40), i
+    assert delivered[0] == plain_greedy_prefix(lm, prompts[0], len(delivered[0]))
+    assert delivered[1] == plain_greedy_prefix(lm, prompts[1], len(delivered[1]))
+    assert_resumes_exactly(lm, entries, prompts, delivered)

@@ -14,9 +14,10 @@ from dyno_ui.paths import BUNDLED_MODEL
 from dyno_ui.runtime.served import ServedModel
 from dyno_ui.runtime.worker import EngineWorker
 from dyno_ui.server.app import create_app
-from helpers.reference import plain_greedy
+from helpers.reference import plain_greedy, template_tokens
 from helpers.serving import MODEL_ID, Running, detokenize, running_server, serving_in_thread, split_think
 from helpers.tiny_models import with_chat_template
+from speculative.batched import Leaving
 from speculative.config import SpecConfig
 from speculative.loader import load_checkpoint
 
@@ -152,6 +153,46 @@ def test_batched_turns_and_a_restart_reuse_and_match_cold_runs(tiny_dir, tiny_lm
                                                        temperature=0)
         assert reply.choices[0].message.content == split_think(detokenize(lm, plain_greedy(lm, third, 12)))[0]
         assert reply.usage.prompt_tokens_details.cached_tokens == last_message_start(lm, prompt)
+
+
+def chat_turns(server, lm, turns):
+    """A greedy conversation without thinking, one turn per (ask, max_tokens, stop string or None),
+    each reply checked against plain greedy decoding of its prompt; the client keeps a reply's stop
+    string in the history, so the next prompt extends all its row delivered. Returns each reply's
+    (content, finish reason, cached tokens) and each prompt's length."""
+    messages, out, lengths = [SYSTEM], [], []
+    for ask, max_tokens, stop in turns:
+        messages = messages + [{"role": "user", "content": ask}]
+        prompt = template_tokens(lm, messages)
+        text = detokenize(lm, plain_greedy(lm, prompt, max_tokens))
+        reply = server.client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=max_tokens,
+                                                      temperature=0, stop=stop and [stop], extra_body=NO_THINKING)
+        content = reply.choices[0].message.content
+        assert content == split_think(text[: text.index(stop)] if stop else text)[0]
+        out.append((content, reply.choices[0].finish_reason, reply.usage.prompt_tokens_details.cached_tokens))
+        lengths.append(len(prompt))
+        messages = messages + [{"role": "assistant", "content": content + (stop or "")}]
+    return out, lengths
+
+
+def test_batched_drafting_turns_reuse_their_answers_as_the_serial_engine(monkeypatch):
+    """A batched drafting server keeps each row's final state, settled to the tokens its client received
+    but the last: turn 2 resumes after turn 1's answer, which max_tokens cut inside a round, and turn 3
+    after turn 2's, which a stop string cut inside a round, as the serial drafting server's turns do."""
+    kept = []  # per row kept: (tokens it emitted, tokens its client received)
+    settle = Leaving.settle
+    monkeypatch.setattr(Leaving, "settle", lambda self, n: kept.append((len(self.row.generated), n)) or settle(self, n))
+    spec = SpecConfig("mtp", 3)
+    turns = [(ASKS[0], 11, None), (ASKS[1], 40, "Return"), (ASKS[2], 12, None)]
+    with running_server(BUNDLED_MODEL, spec, decode_concurrency=2, drafting_batch=True) as batched:
+        got, lengths = chat_turns(batched, batched.served.lm, turns)
+    with running_server(BUNDLED_MODEL, spec) as serial:
+        want, _ = chat_turns(serial, serial.served.lm, turns)
+    assert got == want
+    assert [finish for _, finish, _ in got] == ["length", "stop", "length"]
+    assert got[1][2] == lengths[0] + 11 - 1  # the first prompt and answer, its last token pending
+    assert got[2][2] == lengths[1] + kept[1][1] - 1  # the same after the stop string
+    assert len(kept) == 3 and all(emitted > received for emitted, received in kept[:2])  # cut inside rounds
 
 
 def cancel_a_stream(server, text: str) -> None:
