@@ -53,6 +53,12 @@ EXPLORE_RUN = 3
 FAR = 0.9
 FAR_SPACING = 8
 FAR_EVIDENCE = 3
+# The policy drafts at the shallowest depth within MARGIN of the best rate: a deeper round costs
+# what its timed rounds leave out (the switch into it, the head's owed rows after plain rounds), and
+# 5% is under a timed round's noise here. Without it, at 4 rows, where depth 1 runs at 0.94x of
+# depth 0 (tools/batched_speed.py --rows 4), one server in four spent a third of its rounds at
+# depth 1 (tools/serve_concurrency.py waves at 4 clients, scratch).
+MARGIN = 0.95
 
 
 def interpolate(table: Dict[int, float], width: int) -> float:
@@ -281,11 +287,12 @@ class DepthPolicy:
         return k
 
     def best_depth(self, width: int) -> int:
-        """The depth with the most tokens per second for `width` rows (the shallower on a tie)."""
+        """The shallowest depth within MARGIN of the most tokens per second for `width` rows."""
         if self.pinned is not None:
             return self.pinned
         rates = self.expected_rates(width)
-        return max(rates, key=lambda k: (rates[k], -k))
+        top = max(rates.values())
+        return min(k for k, r in rates.items() if r >= MARGIN * top)
 
     def record(self, width: int, depth: int, seconds: float, then: Optional[int] = None) -> None:
         """The wall time of a round at `depth` for `width` rows, from its start to the next round's

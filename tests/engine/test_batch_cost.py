@@ -16,7 +16,7 @@ from speculative.round.depth_policy import BatchCosts, DepthPolicy
 ACCEPTANCE = [0.9, 0.8, 0.7]  # E(k) = 1, 1.9, 2.7, 3.4
 COSTS = BatchCosts(
     verify={1: {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3},
-            2: {1: 1.0, 2: 1.4, 3: 1.8, 4: 2.2},
+            2: {1: 1.0, 2: 1.5, 3: 1.8, 4: 2.2},
             8: {1: 2.0, 2: 4.0, 3: 6.0, 4: 8.0}},
     draft={1: 0.1, 2: 0.2, 8: 0.4})
 
@@ -29,7 +29,7 @@ def best_depth(costs, acceptance, width, max_depth):
 def test_the_depth_with_the_most_tokens_per_second():
     # Width 1: 1/1, 1.9/1.2, 2.7/1.4, 3.4/1.6 = 1, 1.58, 1.93, 2.125.
     assert best_depth(COSTS, ACCEPTANCE, 1, 4) == 3
-    # Width 2: 2/1, 3.8/1.6, 5.4/2.2, 6.8/2.8 = 2, 2.375, 2.45, 2.43.
+    # Width 2: 2/1, 3.8/1.7, 5.4/2.2, 6.8/2.8 = 2, 2.235, 2.45, 2.43.
     assert best_depth(COSTS, ACCEPTANCE, 2, 4) == 2
     # Width 8: 8/2, 15.2/4.4, 21.6/6.8, 27.2/9.2 = 4, 3.45, 3.18, 2.96: drafting cannot pay.
     assert best_depth(COSTS, ACCEPTANCE, 8, 4) == 0
@@ -37,8 +37,8 @@ def test_the_depth_with_the_most_tokens_per_second():
 
 
 def test_unmeasured_widths_are_interpolated():
-    # Width 5, halfway between 2 and 8: V = 1.5, 2.7, 3.9, 5.1, D = 0.3;
-    # 5/1.5, 9.5/3.0, 13.5/4.5, 17/6.0 = 3.33, 3.17, 3.0, 2.83.
+    # Width 5, halfway between 2 and 8: V = 1.5, 2.75, 3.9, 5.1, D = 0.3;
+    # 5/1.5, 9.5/3.05, 13.5/4.5, 17/6.0 = 3.33, 3.11, 3.0, 2.83.
     assert COSTS.V(5, 3) == pytest.approx(3.9) and COSTS.D(5) == pytest.approx(0.3)
     assert best_depth(COSTS, ACCEPTANCE, 5, 4) == 0
     assert COSTS.V(14, 1) == pytest.approx(3.0)  # beyond 8: along the last two widths
@@ -142,7 +142,7 @@ def test_timed_rounds_overrule_the_tuned_costs():
     assert policy.clock.seconds(1, 2) == pytest.approx(1.4 * 3.625)
     assert policy.depth_for(1) == 0
     # A width with no timed round scales its tuned costs by every width's ratios.
-    assert policy.clock.seconds(2, 1) == pytest.approx(1.6 * 3.625)
+    assert policy.clock.seconds(2, 1) == pytest.approx(1.7 * 3.625)
 
 
 def test_a_slow_spell_does_not_make_the_depths_not_in_use_look_cheap():
@@ -185,6 +185,19 @@ def test_one_slow_round_moves_the_estimate_little():
     for _ in range(depth_policy.WINDOW):  # a lasting change takes over within a window
         policy.record(2, 1, 3.0)
     assert policy.clock.seconds(2, 1) == 3.0
+
+
+def test_a_deeper_depth_must_beat_the_shallower_by_the_margin():
+    """Timed rounds at 2 rows put depth 1 3% above depth 0 (1.9 / 1.845 against 1 / 1): within the
+    margin, so plain rounds; at 10% above, depth 1."""
+    policy = DepthPolicy(COSTS, ACCEPTANCE, max_depth=1)
+    for depth, seconds in [(0, 1.0)] * 3 + [(1, 1.845)] * 3:
+        policy.record(2, depth, seconds)
+    rates = policy.expected_rates(2)
+    assert rates[1] / rates[0] == pytest.approx(1.03, abs=0.001) and policy.best_depth(2) == 0
+    for _ in range(depth_policy.WINDOW):
+        policy.record(2, 1, 1.9 / 1.1)
+    assert policy.expected_rates(2)[1] / rates[0] == pytest.approx(1.1, abs=0.02) and policy.best_depth(2) == 1
 
 
 def test_exploring_neighbours_finds_the_depth_the_tuned_costs_missed():
