@@ -3,6 +3,14 @@
 
     python tools/batched_speed.py [--model assets/dyno-tiny] [--rows 1 2 4] [--depths 1 2 3]
                                   [--max-tokens 128] [--repeats 5] [--serial-depth 3] [--json FILE]
+    tools/with_openblas.sh python tools/batched_speed.py --shape qwen3.5-0.8b --dtype float32 \
+        --acceptance 27b-code --draft-vocab auto --rows 2 4 --depths 0 1 2 3 --max-tokens 24 --repeats 5
+
+`--shape` builds a random checkpoint at a real model's shape (as tools/scale_bench.py does; removed
+at the end) and replays each row's drafts to an acceptance profile against that row's plain greedy
+tokens (speculative/measure/replay.py, ReplayedBatch); `--draft-vocab auto` drafts over auto's
+smallest draft vocabulary (scale.py's draft_subset, filled with the lowest ids after the rows'
+reference tokens). Each row's prompt is `--context` seeded random tokens.
 
 Each run starts from the prompts (prefill included) and ends at the last row's last token; the
 tokens are B x max_tokens unless a row reaches EOS (then the same for every method: greedy texts
@@ -29,13 +37,19 @@ from speculative.batched import BatchSpeculator  # noqa: E402
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
 from speculative.engine import generate  # noqa: E402
 from speculative.events import Token  # noqa: E402
+from speculative.draft_vocab.head import DraftLMHead, lm_head_module  # noqa: E402
 from speculative.loader import load_checkpoint  # noqa: E402
+from speculative.measure import shapes  # noqa: E402
+from speculative.measure.blas import detect  # noqa: E402
+from speculative.measure.random_checkpoint import built, scaled_down  # noqa: E402
+from speculative.measure.replay import ReplayedBatch, parse_profile  # noqa: E402
+from speculative.measure.scale import draft_subset, draft_vocab_floor, random_prompt  # noqa: E402
 from speculative.measure.suites import SUITES, encode  # noqa: E402
 
 
-def batched_drafting(lm, prompts, n, depth):
+def batched_drafting(lm, prompts, n, depth, make=BatchSpeculator):
     """Rows join (each prefilled alone), then rounds at `depth` until every row is done."""
-    batch, out = BatchSpeculator(lm), {}
+    batch, out = make(lm), {}
     for i, p in enumerate(prompts):
         out[i] = [e.id for e in batch.join(i, p, SamplingParams(max_tokens=n)).events]
     while batch:
@@ -79,19 +93,55 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--serial-depth", type=int, default=3)
+    ap.add_argument("--serial-depth", type=int, default=3, help="0: none (with --shape: none; its drafts are not replayed)")
+    ap.add_argument("--shape", choices=shapes.names(), help="a random checkpoint at this model's shape, drafts replayed")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="with --shape: its float type")
+    ap.add_argument("--acceptance", default="27b-code", help="with --shape: the replayed profile, a name or rates")
+    ap.add_argument("--draft-vocab", default="full", choices=["full", "auto"], help="with --shape: rows the drafts project onto")
+    ap.add_argument("--context", type=int, default=64, help="with --shape: each row's prompt length")
+    ap.add_argument("--scaled-down", action="store_true", help="with --shape: its widths cut down (a smoke test)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    lm = load_checkpoint(args.model)
+    if args.shape is None:
+        run(args, load_checkpoint(args.model), args.model)
+        return
+    profile = parse_profile(args.acceptance)
+    config = shapes.load(args.shape)["text_config"]
+    config = scaled_down(config) if args.scaled_down else config
+    print(detect().line())
+    with built(config, dtype=getattr(mx, args.dtype)) as (model, _):
+        run(args, load_checkpoint(model, mode="mtp"), f"{args.shape} ({args.dtype}, random, drafts replayed to {list(profile)})",
+            profile)
+
+
+def replayed(lm, prompts, n, depth, profile, draft_vocab):
+    """The rows' plain greedy references (BatchGenerator, n + depth tokens) and a maker of batches whose
+    drafts follow `profile` against them, over the draft vocabulary when `draft_vocab` is auto."""
+    references = plain_batching(lm, prompts, n + depth)
+    head = None
+    if draft_vocab == "auto":
+        vocab = lm.target.args.vocab_size
+        first = [t for ref in references.values() for t in ref]
+        head = DraftLMHead(lm_head_module(lm.target), draft_subset(lm.tokenizer, vocab, draft_vocab_floor(vocab), first), vocab)
+    return lambda lm: ReplayedBatch(lm, references, profile, draft_head=head)
+
+
+def run(args, lm, label, profile=None) -> None:
     items = SUITES["code"] + SUITES["reasoning"]
     n = args.max_tokens
-    print(f"MLX {mx.__version__}, {mx.default_device()}, {args.model}, {n} greedy tokens per row")
+    print(f"MLX {mx.__version__}, {mx.default_device()}, {label}, {n} greedy tokens per row")
     results = {}
     for width in args.rows:
-        prompts = [encode(lm.tokenizer, items[i % len(items)]) for i in range(width)]
-        methods = {f"batched depth {d}": (lambda d=d: batched_drafting(lm, prompts, n, d)) for d in args.depths}
+        if profile is None:
+            prompts = [encode(lm.tokenizer, items[i % len(items)]) for i in range(width)]
+            make = BatchSpeculator
+        else:
+            prompts = [random_prompt(args.context, seed=i) for i in range(width)]
+            make = replayed(lm, prompts, n, max(args.depths), profile, args.draft_vocab)
+        methods = {f"batched depth {d}": (lambda d=d: batched_drafting(lm, prompts, n, d, make)) for d in args.depths}
         methods["plain batched (mlx-lm BatchGenerator)"] = lambda: plain_batching(lm, prompts, n)
-        methods[f"serial drafting depth {args.serial_depth}"] = lambda: serial_drafting(lm, prompts, n, args.serial_depth)
+        if args.serial_depth and profile is None:
+            methods[f"serial drafting depth {args.serial_depth}"] = lambda: serial_drafting(lm, prompts, n, args.serial_depth)
         names = list(methods)
         reference = None
         for name in names:  # warm up every shape once (compilation, the verify pass's first-use probe)
@@ -113,7 +163,8 @@ def main() -> None:
             print(f"  {name:40} {med:8.1f} tok/s  ({min(rates[name]):.1f}-{max(rates[name]):.1f})"
                   f"  x{ratio:.2f} of plain batched")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+        record = {"command": " ".join(sys.argv), "label": label, "blas": detect().as_json(), "results": results}
+        pathlib.Path(args.json).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

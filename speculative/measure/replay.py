@@ -5,7 +5,8 @@ and say nothing of what a trained head earns. Here the real head still runs ever
 cost is real); each draft is then replaced by the token plain greedy decoding wrote at that
 position (known from a reference run) or by a wrong one, so that draft position j is accepted
 with probability profile[j]. Verify, acceptance, rollback and the head rows run for real, and the
-output is still the plain greedy text. Used only by the benchmark: no server or CLI path makes one.
+output is still the plain greedy text. Used only by the benchmarks: no server or CLI path makes one. ReplayedBatch does the same for
+batched drafting, each row against its own reference.
 
 Over a draft vocabulary (`draft_head`, a DraftLMHead) the head projects onto the subset's rows only,
 as `--draft-vocab` does, and every scripted draft is one of the subset's ids: a reference token
@@ -14,10 +15,11 @@ outside it cannot be drafted, so its position counts as a miss.
 
 import bisect
 import random
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from ..batched import BatchSpeculator
 from ..engine import Speculator
 from ..errors import DynoError
 from .tuning import PRIOR_DECAY, PRIOR_FIRST
@@ -46,6 +48,45 @@ def parse_profile(text: str) -> Tuple[float, ...]:
     return rates
 
 
+class Script:
+    """Scripted drafts against one reference: each round, position j right with probability profile[j]
+    (one uniform per round: `right` leading drafts are the reference's, so P(position j accepted) =
+    P(right >= j) = profile[j - 1] for a non-increasing profile). Over a draft vocabulary (`subset`,
+    sorted ids) a reference token outside it cannot be drafted: its position is a miss."""
+
+    def __init__(self, reference: Sequence[int], profile: Sequence[float], vocab: int, subset=None,
+                 seed: Union[int, str] = 0):
+        self.reference, self.profile, self.vocab = list(reference), list(profile), vocab
+        self.subset = subset
+        self.in_subset = set(subset) if subset is not None else None
+        self.rng = random.Random(seed)  # its own stream: the same rounds for every run with this seed
+
+    def _wrong(self, true: Optional[int]) -> int:
+        """A token other than `true`: the next id, or the subset's next id over a draft vocabulary."""
+        if self.subset is None:
+            return ((true or 0) + 1) % self.vocab
+        return self.subset[bisect.bisect_right(self.subset, -1 if true is None else true) % len(self.subset)]
+
+    def drafts(self, start: int, k: int) -> List[int]:
+        """k drafts for reference[start], reference[start + 1], ..."""
+        u = self.rng.random()
+        right = sum(u < a for a in self.profile[:k])
+        out = []
+        for j in range(k):
+            i = start + j
+            true = self.reference[i] if i < len(self.reference) else None
+            draftable = true is not None and (self.subset is None or true in self.in_subset)
+            out.append(true if j < right and draftable else self._wrong(true))
+        return out
+
+
+def scripted(computed: mx.array, drafts: List[List[int]]) -> mx.array:
+    """`drafts` in place of the head's `computed` ones; where() reads the computed, so evaluating the
+    scripted drafts still runs the head."""
+    keep = mx.ones(computed.shape, dtype=mx.bool_)
+    return mx.where(keep, mx.array(drafts, dtype=computed.dtype).reshape(computed.shape), computed)
+
+
 class ReplayedSpeculator(Speculator):
     """A Speculator whose drafts follow `profile`: position j right with probability profile[j]."""
 
@@ -55,38 +96,41 @@ class ReplayedSpeculator(Speculator):
             raise DynoError("replayed acceptance scripts greedy drafts only")
         # A random model has no ranking of its own: the caller's subset stands in for `draft_vocab`'s.
         super().__init__(lm, params, depth, prefill_step, None if draft_head is not None else draft_vocab)
-        self.subset: Optional[list] = None
         if draft_head is not None:
             self.draft_lm_head = draft_head
-            self.subset = draft_head.ids.tolist()  # sorted
-            self.in_subset = set(self.subset)
-        self.reference, self.profile = list(reference), list(profile)
-        self.rng = random.Random(seed)  # its own stream: the same rounds for every run with this seed
-        self.vocab = lm.vocab_size
-
-    def _wrong(self, true: Optional[int]) -> int:
-        """A token other than `true`: the next id, or the subset's next id over a draft vocabulary."""
-        if self.subset is None:
-            return ((true or 0) + 1) % self.vocab
-        return self.subset[bisect.bisect_right(self.subset, -1 if true is None else true) % len(self.subset)]
+        subset = draft_head.ids.tolist() if draft_head is not None else None  # sorted
+        self.script = Script(reference, profile, lm.vocab_size, subset, seed)
 
     def draft(self, k: int):
         """The head's k drafts, computed, then swapped for scripted ones."""
         drafts, probs = super().draft(k)
-        start = len(self.generated)  # drafts are for generated[start], generated[start + 1], ...
-        # One uniform per round: `right` leading drafts are the reference's, so P(position j accepted)
-        # = P(right >= j) = profile[j - 1] for a non-increasing profile.
-        u = self.rng.random()
-        right = sum(u < a for a in self.profile[:k])
-        scripted = []
-        for j in range(k):
-            i = start + j
-            true = self.reference[i] if i < len(self.reference) else None
-            draftable = true is not None and (self.subset is None or true in self.in_subset)
-            scripted.append(true if j < right and draftable else self._wrong(true))
-        # where() reads the head's drafts, so evaluating the scripted ones still runs the head
-        keep = mx.ones((k,), dtype=mx.bool_)
-        return mx.where(keep, mx.array(scripted, dtype=drafts.dtype), drafts), probs
+        # drafts are for generated[start], generated[start + 1], ...
+        return scripted(drafts, self.script.drafts(len(self.generated), k)), probs
+
+
+class ReplayedBatch(BatchSpeculator):
+    """A BatchSpeculator whose rows' drafts follow `profile`, each row against its own reference
+    (`references[row_id]`, that row's plain greedy tokens) and with its own seeded stream, so a row's
+    rounds do not depend on the rows beside it. Greedy rows only."""
+
+    def __init__(self, lm, references: Dict[Hashable, Sequence[int]], profile: Sequence[float], seed: int = 0,
+                 draft_head=None):
+        super().__init__(lm)
+        if draft_head is not None:
+            self.draft_lm_head = draft_head
+        subset = draft_head.ids.tolist() if draft_head is not None else None
+        self.scripts = {i: Script(ref, profile, lm.vocab_size, subset, f"{seed}/{i}") for i, ref in references.items()}
+
+    def join(self, row_id, prompt, params, *args, **kwargs):
+        if not params.greedy:
+            raise DynoError("replayed acceptance scripts greedy drafts only")
+        return super().join(row_id, prompt, params, *args, **kwargs)
+
+    def draft_rows(self, k: int):
+        """Every row's k drafts, computed, then swapped for its script's."""
+        drafts, probs = super().draft_rows(k)
+        rows = [self.scripts[i].drafts(len(row.generated), k) for i, row in zip(self.ids, self.rows)]
+        return scripted(drafts, rows), probs
 
 
 def replayed_runner(reference: Sequence[int], profile: Sequence[float], seed: int = 0, draft_head=None) -> Callable:

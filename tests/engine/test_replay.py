@@ -65,3 +65,30 @@ def test_replay_over_a_draft_vocabulary_drafts_from_it(tiny_lm, ids):
     assert made[0].draft_lm_head is head  # the draft step's projection is the subset's rows
     assert drafted and set(drafted) <= set(subset)
     assert run.stats.acceptance_by_position()[0] > 0.5  # the subset holds the reference: right drafts are drafted
+
+
+def test_a_replayed_batch_is_exact_and_follows_the_profile_on_every_row(tiny_lm):
+    """Three rows, each scripted against its own plain greedy tokens: every row's text is its reference,
+    and the batch's rounds accept at the profile's rates."""
+    from speculative.events import Round, Token
+    from speculative.measure.replay import ReplayedBatch
+
+    lm = tiny_lm("tied-gqa2")
+    n, depth, profile = 120, 3, (0.9, 0.7, 0.5)
+    prompts = {i: PROMPT[i:] + [i + 3] for i in range(3)}
+    references = {i: run_mlx_lm(lm, p, SamplingParams(max_tokens=n + depth)).tokens for i, p in prompts.items()}
+    batch = ReplayedBatch(lm, references, profile, seed=1)
+    got = {i: [e.id for e in batch.join(i, p, SamplingParams(max_tokens=n)).events] for i, p in prompts.items()}
+    drafted, accepted = [0] * depth, [0] * depth
+    while batch:
+        for i, out in batch.step(depth).items():
+            got[i] += [e.id for e in out.events if isinstance(e, Token)]
+            for r in (e for e in out.events if isinstance(e, Round)):
+                for j in range(r.drafted):
+                    drafted[j] += 1
+                    accepted[j] += j < r.accepted
+    assert got == {i: ref[:n] for i, ref in references.items()}
+    for p, a, d in zip(profile, accepted, drafted):
+        assert abs(a / d - p) <= 4 * math.sqrt(p * (1 - p) / d), (accepted, drafted)
+    with pytest.raises(DynoError, match="greedy"):
+        batch.join(9, PROMPT, SamplingParams(max_tokens=4, temperature=0.7))
