@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random checkpoints built once per session (helpers/ holds everything else)."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # Before MLX's first op: float32 products of several rows run at TF32 precision by default on CUDA
@@ -38,6 +40,7 @@ from speculative.loader import load_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ["DYNO_CACHE"] = tempfile.mkdtemp(prefix="dyno-test-cache-")  # never the user's cache
+atexit.register(shutil.rmtree, os.environ["DYNO_CACHE"], True)  # (each test process makes its own)
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):

@@ -15,8 +15,10 @@ reference tokens). Each row's prompt is `--context` seeded random tokens.
 Each run starts from the prompts (prefill included) and ends at the last row's last token; the
 tokens are B x max_tokens unless a row reaches EOS (then the same for every method: greedy texts
 are checked to be identical). Per width the methods run in a rotating order each repeat, so no
-method always runs first; reported: the median aggregate tokens/s over the repeats (min-max) and,
-for batched drafting, the median ratio to plain batching within the same repeat.
+method always runs first; reported: the median aggregate tokens/s over the repeats (min-max) and
+the median ratio to plain batching within the same repeat, both for the whole run and for its
+decoding phase (the tokens after each row's first, over the time after every row had its first:
+at a real shape a prompt's prefill takes seconds and would hide what the rounds gain).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import signal
 import statistics
 import sys
 import time
@@ -48,14 +51,16 @@ from speculative.measure.suites import SUITES, encode  # noqa: E402
 
 
 def batched_drafting(lm, prompts, n, depth, make=BatchSpeculator):
-    """Rows join (each prefilled alone), then rounds at `depth` until every row is done."""
+    """Rows join (each prefilled alone), then rounds at `depth` until every row is done; returns the
+    tokens and when every row had its first one."""
     batch, out = make(lm), {}
     for i, p in enumerate(prompts):
         out[i] = [e.id for e in batch.join(i, p, SamplingParams(max_tokens=n)).events]
+    decoding = time.perf_counter()
     while batch:
         for i, r in batch.step(depth).items():
             out[i] += [e.id for e in r.events if isinstance(e, Token)]
-    return out
+    return out, decoding
 
 
 def plain_batching(lm, prompts, n):
@@ -63,27 +68,32 @@ def plain_batching(lm, prompts, n):
     gen = BatchGenerator(lm.model, stop_tokens=[[t] for t in lm.eos_token_ids],
                          completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
     uids = gen.insert(prompts, max_tokens=[n] * len(prompts))
-    out, left = {u: [] for u in uids}, len(uids)
+    out, left, decoding = {u: [] for u in uids}, len(uids), None
     while left:
         for r in gen.next_generated():
             out[r.uid].append(int(r.token))
             left -= r.finish_reason is not None
+        if decoding is None and all(out.values()):
+            decoding = time.perf_counter()
     gen.close()
-    return {i: out[u] for i, u in enumerate(uids)}
+    return {i: out[u] for i, u in enumerate(uids)}, decoding
 
 
 def serial_drafting(lm, prompts, n, depth):
-    """One request after another through the single-row speculator (today's default server)."""
+    """One request after another through the single-row speculator (`--decode-concurrency 1`); its
+    decoding phase is not one span, so none is given."""
     return {i: [e.id for e in generate(lm, p, SamplingParams(max_tokens=n), SpecConfig("mtp", depth))
-                if isinstance(e, Token)] for i, p in enumerate(prompts)}
+                if isinstance(e, Token)] for i, p in enumerate(prompts)}, None
 
 
 def timed(fn):
+    """(tokens, the whole run's seconds, the seconds after every row had its first token or None)."""
     mx.synchronize()
     start = time.perf_counter()
-    out = fn()
+    out, decoding = fn()
     mx.synchronize()
-    return out, time.perf_counter() - start
+    end = time.perf_counter()
+    return out, end - start, None if decoding is None else end - decoding
 
 
 def main() -> None:
@@ -105,6 +115,8 @@ def main() -> None:
     if args.shape is None:
         run(args, load_checkpoint(args.model), args.model)
         return
+    # A stopped run (kill, timeout) exits through `built`'s cleanup: its checkpoint takes gigabytes.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     profile = parse_profile(args.acceptance)
     config = shapes.load(args.shape)["text_config"]
     config = scaled_down(config) if args.scaled_down else config
@@ -117,7 +129,7 @@ def main() -> None:
 def replayed(lm, prompts, n, depth, profile, draft_vocab):
     """The rows' plain greedy references (BatchGenerator, n + depth tokens) and a maker of batches whose
     drafts follow `profile` against them, over the draft vocabulary when `draft_vocab` is auto."""
-    references = plain_batching(lm, prompts, n + depth)
+    references, _ = plain_batching(lm, prompts, n + depth)
     head = None
     if draft_vocab == "auto":
         vocab = lm.target.args.vocab_size
@@ -145,23 +157,34 @@ def run(args, lm, label, profile=None) -> None:
         names = list(methods)
         reference = None
         for name in names:  # warm up every shape once (compilation, the verify pass's first-use probe)
-            out = methods[name]()
+            out, _ = methods[name]()
             reference = reference or out
             assert out == reference, f"{name}: the greedy texts differ"
         rates = {name: [] for name in names}
+        decode = {name: [] for name in names}  # tokens after each row's first over the time after
         for r in range(args.repeats):
             for name in names[r % len(names):] + names[: r % len(names)]:
-                out, seconds = timed(methods[name])
-                rates[name].append(sum(len(t) for t in out.values()) / seconds)
-        plain = rates[names[len(args.depths)]]
+                out, seconds, decoding = timed(methods[name])
+                tokens = sum(len(t) for t in out.values())
+                rates[name].append(tokens / seconds)
+                if decoding is not None:
+                    decode[name].append((tokens - len(out)) / decoding)
+        plain = names[len(args.depths)]
         results[width] = {}
-        print(f"\nB = {width} ({sum(len(t) for t in reference.values())} tokens)")
+        print(f"\nB = {width} ({sum(len(t) for t in reference.values())} tokens); "
+              "all: prefill included, decode: after every row's first token")
         for name in names:
             med = statistics.median(rates[name])
-            ratio = statistics.median(a / b for a, b in zip(rates[name], plain))
+            ratio = statistics.median(a / b for a, b in zip(rates[name], rates[plain]))
             results[width][name] = {"tok_s": rates[name], "median": med, "vs_plain": ratio}
-            print(f"  {name:40} {med:8.1f} tok/s  ({min(rates[name]):.1f}-{max(rates[name]):.1f})"
-                  f"  x{ratio:.2f} of plain batched")
+            line = (f"  {name:40} all {med:8.1f} tok/s  ({min(rates[name]):.1f}-{max(rates[name]):.1f})"
+                    f"  x{ratio:.2f} of plain batched")
+            if decode[name]:
+                dec = statistics.median(decode[name])
+                dratio = statistics.median(a / b for a, b in zip(decode[name], decode[plain]))
+                results[width][name].update(decode_tok_s=decode[name], decode_median=dec, decode_vs_plain=dratio)
+                line += f"; decode {dec:8.1f} tok/s  x{dratio:.2f}"
+            print(line)
     if args.json:
         record = {"command": " ".join(sys.argv), "label": label, "blas": detect().as_json(), "results": results}
         pathlib.Path(args.json).write_text(json.dumps(record, indent=1))

@@ -90,3 +90,25 @@ def test_a_kept_checkpoint_is_reused(tmp_path):
     with built(config(), dtype=mx.bfloat16, keep=str(tmp_path / "kept")) as (model, _):
         assert json.loads((model / "config.json").read_text())["torch_dtype"] == "bfloat16"  # another: written anew
     assert (tmp_path / "kept" / "dyno-random.json").exists()  # left in place
+
+
+def test_batched_speed_at_a_shape_replays_drafts_and_times_the_decoding(tmp_path, monkeypatch, capsys):
+    """tools/batched_speed.py --shape (scaled down): every method's tokens equal BatchGenerator's (the
+    tool asserts it), and the record has whole-run and decoding-phase rates for each."""
+    import json
+    import sys
+
+    tool = load_tool("batched_speed")
+    out = tmp_path / "record.json"
+    monkeypatch.setattr(sys, "argv", ["batched_speed.py", "--shape", "qwen3.5-0.8b", "--scaled-down", "--dtype",
+                                      "float32", "--draft-vocab", "auto", "--rows", "2", "--depths", "0", "2",
+                                      "--max-tokens", "10", "--repeats", "1", "--context", "8", "--json", str(out)])
+    tool.main()
+    record = json.loads(out.read_text())
+    assert record["blas"]["name"] and "qwen3.5-0.8b (float32" in record["label"]
+    rows = record["results"]["2"]
+    assert set(rows) == {"batched depth 0", "batched depth 2", "plain batched (mlx-lm BatchGenerator)"}
+    for r in rows.values():
+        assert r["median"] > 0 and r["decode_median"] > 0
+    assert rows["plain batched (mlx-lm BatchGenerator)"]["decode_vs_plain"] == 1.0
+    assert "decode" in capsys.readouterr().out
