@@ -22,6 +22,7 @@ comes next. A join, a leave or a round at another depth first takes that work ba
 rewound, the RNG keys restored), so it never changes a token.
 """
 
+import logging
 from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -38,6 +39,8 @@ from .loader import LoadedModel
 from .backend.memory import MLX_MEMORY, Memory
 from .prompt_cache.store import PrefixEntry, Resume, ShiftedKVCache, own_rows
 from .round.sampling import log_softmax
+
+log = logging.getLogger(__name__)
 
 # Depth-0 rounds owe the head this many rows at most before it runs over them in one pass: the
 # trunk hiddens they hold stay small, and drafting, when it resumes, starts from a short catch-up.
@@ -99,13 +102,17 @@ class Leaving:
 
     def settle(self, emitted: int) -> PrefixEntry:
         """The row's state after its prompt and first `emitted` tokens minus the last (the pending
-        one), as Speculator.settle: a stop or cancel inside the latest round keeps less than it fed."""
-        row, last = self.row, self.last
+        one), as Speculator.settle: a stop or cancel inside the latest round keeps less than it fed.
+        Once only: it lets go of the caches and the pass (their tapes hold the whole round's states)."""
+        row, last, trunk, head = self.row, self.last, self.trunk, self.head
+        self.trunk = self.head = self.last = None
+        if last is None:
+            raise DynoError("a leaving row's state was already settled")
         keep = last.committed - (len(row.generated) - emitted)
         if keep < 1 or (keep < last.committed and last.tapes is None):
             raise DynoError(f"a leaving row cannot be settled to {emitted} of its {len(row.generated)} tokens")
-        entry = settled(row.prompt, row.generated, emitted, self.trunk, self.head,
-                        last._replace(tapes=last.tapes or []), row.checkpoints)
+        entry = settled(row.prompt, row.generated, emitted, trunk, head, last._replace(tapes=last.tapes or []),
+                        row.checkpoints)
         entry.trunk_cache = [own_rows(c) for c in entry.trunk_cache]  # not slices of the batch's arrays
         entry.head_cache = entry.head_cache and [own_rows(c) for c in entry.head_cache]
         return entry
@@ -151,13 +158,15 @@ class BatchSpeculator(Rounds):
     """
 
     def __init__(self, lm: LoadedModel, prefill_step: int = PREFILL_STEP, draft_vocab: Optional[int] = None,
-                 memory: Memory = MLX_MEMORY):
+                 memory: Memory = MLX_MEMORY, keep_states: bool = True):
+        """`keep_states`: a row that leaves hands back its state (Leaving) to settle; False (no prompt
+        cache to keep it in): it leaves nothing, and nothing is held for it."""
         if lm.head is None:
             raise DynoError("batched drafting needs an MTP head")
         if lm.ranks is not None:
             raise DynoError("batched drafting runs in one process")
         super().__init__(lm, draft_vocab, memory)  # rows clear MLX's buffer cache after each prefill chunk
-        self.lm, self.prefill_step, self.draft_vocab = lm, prefill_step, draft_vocab
+        self.lm, self.prefill_step, self.draft_vocab, self.keep_states = lm, prefill_step, draft_vocab, keep_states
         self.clearing = memory.per_rounds()  # and the batch every 512 rounds, as BatchGenerator
         self.ids: List[Hashable] = []  # row b's request
         self.rows: List[Row] = []  # row b's own state
@@ -228,7 +237,13 @@ class BatchSpeculator(Rounds):
         if len(indices) == len(self.ids):
             return {}
         self._take_back()  # (the caches hold each row's emitted tokens but its pending one)
-        left = {self.ids[b]: self._leaving(b) for b in range(len(self.ids)) if b not in indices}
+        left = {}
+        for b in range(len(self.ids)):
+            if self.keep_states and b not in indices:
+                try:
+                    left[self.ids[b]] = self._leaving(b)
+                except Exception:  # its state is only for a prompt cache: the row leaves without it
+                    log.exception("cannot take a leaving row's state")
         self.ids = [self.ids[b] for b in indices]
         self.rows = [self.rows[b] for b in indices]
         self.passes = [self.passes[b] for b in indices]

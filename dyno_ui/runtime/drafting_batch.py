@@ -87,7 +87,9 @@ class DraftingBatch:
         self.next_row = 0
 
     def _new_batch(self) -> BatchSpeculator:
-        return BatchSpeculator(self.worker.lm, draft_vocab=self.worker.spec.draft_vocab, memory=self.worker.memory)
+        cache = self.worker.prefix_cache  # rows that leave hand their states over only to keep them there
+        return BatchSpeculator(self.worker.lm, draft_vocab=self.worker.spec.draft_vocab, memory=self.worker.memory,
+                               keep_states=cache is not None and cache.enabled)
 
     def serve(self) -> None:
         w = self.worker

@@ -50,16 +50,15 @@ def parse_profile(text: str) -> Tuple[float, ...]:
 
 class Script:
     """Scripted drafts against one reference: each round, position j right with probability profile[j]
-    (one uniform per round: `right` leading drafts are the reference's, so P(position j accepted) =
+    (one uniform per round, seeded by the round's start: `right` leading drafts are the reference's, so P(position j accepted) =
     P(right >= j) = profile[j - 1] for a non-increasing profile). Over a draft vocabulary (`subset`,
     sorted ids) a reference token outside it cannot be drafted: its position is a miss."""
 
     def __init__(self, reference: Sequence[int], profile: Sequence[float], vocab: int, subset=None,
                  seed: Union[int, str] = 0):
         self.reference, self.profile, self.vocab = list(reference), list(profile), vocab
-        self.subset = subset
+        self.subset, self.seed = subset, seed
         self.in_subset = set(subset) if subset is not None else None
-        self.rng = random.Random(seed)  # its own stream: the same rounds for every run with this seed
 
     def _wrong(self, true: Optional[int]) -> int:
         """A token other than `true`: the next id, or the subset's next id over a draft vocabulary."""
@@ -68,8 +67,10 @@ class Script:
         return self.subset[bisect.bisect_right(self.subset, -1 if true is None else true) % len(self.subset)]
 
     def drafts(self, start: int, k: int) -> List[int]:
-        """k drafts for reference[start], reference[start + 1], ..."""
-        u = self.rng.random()
+        """k drafts for reference[start], reference[start + 1], ...: the same for a position however
+        often it is drafted (a batch drafts again what a join or a leave took back), so a row's
+        rounds do not depend on the rows beside it, and every run with this seed has the same."""
+        u = random.Random(f"{self.seed}/{start}").random()
         right = sum(u < a for a in self.profile[:k])
         out = []
         for j in range(k):

@@ -5,8 +5,8 @@ V(B, t): seconds for one round's trunk pass over B rows of t = k+1 tokens (at t 
 forward of a depth-0 round; at t > 1 the verify pass and the head's rows after it). D(B): seconds
 per draft step for B rows (the head's pick and its next row). A round at depth k for B rows then
 delivers B * E(k) tokens in V(B, k+1) + k * D(B) seconds, E(k) = 1 + the acceptance at positions
-1..k (E(0) = 1). DepthPolicy picks the k in 0..K that delivers the most tokens per second, with the
-acceptance learned from the rounds it sees; as rows are added a verify pass fills up, the draft
+1..k (E(0) = 1). DepthPolicy picks the shallowest k in 0..K within MARGIN of the most tokens per
+second, with the acceptance learned from the rounds it sees; as rows are added a verify pass fills up, the draft
 costs grow with it, and at some width depth 0 (plain batched decoding) wins.
 
 The tuned V and D are timed apart from real rounds, on a machine whose speed drifts; a round also
@@ -204,7 +204,7 @@ class DepthPolicy:
     next round's, for the work the round queues), then `observe` the round's events and `record` its
     seconds.
 
-    `pinned` (a `--draft-depth N`) fixes the depth; otherwise the best by cost, with acceptance
+    `pinned` (a `--draft-depth N`) fixes the depth; otherwise the best by cost (within MARGIN), with acceptance
     learned online from the rounds observed, starting from `prior` (rates at positions 1, 2, ...),
     and round times learned from the rounds timed (RoundClock), starting from `costs`.
 

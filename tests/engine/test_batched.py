@@ -14,6 +14,7 @@ from speculative import batched, rollback
 from speculative.batched import BatchSpeculator
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
+from speculative.errors import DynoError
 from speculative.events import Provenance, Round, Token
 from speculative.loader import load_checkpoint
 from speculative.prompt_cache.store import PrefixCache
@@ -422,6 +423,22 @@ def test_rows_finishing_inside_a_round_keep_states_that_resume_exactly(bundled, 
     for i, prompt in enumerate(prompts):
         assert got[i] == plain_greedy_prefix(lm, prompt, limits[i]), i
     assert_resumes_exactly(lm, {i: x.settle(len(got[i])) for i, x in left.items()}, prompts, got)
+    with pytest.raises(DynoError, match="already settled"):  # it let go of the round's caches and tapes
+        left[0].settle(len(got[0]))
+
+
+def test_a_batch_that_keeps_no_states_hands_none_back(bundled):
+    """Without a prompt cache to keep them in, rows leave no state behind (nothing of the round held for
+    them) and decode the same tokens."""
+    lm = bundled("dyno-tiny")
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS[:3]]
+    batch = BatchSpeculator(lm, keep_states=False)
+    got = {i: tokens(batch.join(i, p, SamplingParams(max_tokens=6 + i)).events) for i, p in enumerate(prompts)}
+    while batch:
+        for i, out in batch.step(3).items():
+            got[i] += tokens(out.events)
+            assert out.left is None
+    assert all(got[i] == plain_greedy_prefix(lm, p, 6 + i) for i, p in enumerate(prompts))
 
 
 def test_rows_stopped_inside_a_round_or_after_plain_rounds_keep_what_they_delivered(bundled):
