@@ -209,7 +209,8 @@ class BatchSpeculator(Rounds):
         self.last_hidden = alone.last_pass.hidden  # [1, 1, H] the trunk's at the prompt's last token
         out = RowEvents([Token(row.generated[0], Provenance.PLAIN, row.scores[0])], row.finish(1))
         if out.finish is not None:
-            return out._replace(left=alone)  # its caches are its own: it settles them itself
+            # its caches are its own: it settles them itself
+            return out._replace(left=alone if self.keep_states else None)
         self._take_back()
         self._catch_up_head()  # the rows already here owe head rows; the joiner owes none
         trunk, head = as_batch(alone.trunk_cache), as_batch(alone.head_cache)
@@ -274,9 +275,7 @@ class BatchSpeculator(Rounds):
         if any(h.offset + len(self.backlog) != len(row.prompt) + len(row.generated) - 1 for h in head):
             return None
         if self.backlog:
-            tokens = mx.concatenate([t[b : b + 1] for t, _ in self.backlog], axis=1)
-            hidden = mx.concatenate([h[b : b + 1] for _, h in self.backlog], axis=1)
-            self.head(self.target.embed(tokens), hidden, head, rope=self.rope)
+            self._head(*self._owed(slice(b, b + 1)), cache=head)
         return head
 
     def _delivered(self) -> None:
@@ -287,11 +286,14 @@ class BatchSpeculator(Rounds):
     def _catch_up_head(self) -> None:
         """Run the head over the rows the depth-0 rounds deferred: every row owes the same count."""
         if self.backlog:
-            tokens = mx.concatenate([t for t, _ in self.backlog], axis=1)
-            hidden = mx.concatenate([h for _, h in self.backlog], axis=1)
-            self.head_hidden = self._head(tokens, hidden)[:, -1:]
+            self.head_hidden = self._head(*self._owed())[:, -1:]
             mx.async_eval(self.head_hidden)
             self.backlog = []
+
+    def _owed(self, rows: slice = slice(None)):
+        """The backlog's ([B', T] tokens, [B', T, H] trunk hiddens) for `rows`: the head rows owed."""
+        return (mx.concatenate([t[rows] for t, _ in self.backlog], axis=1),
+                mx.concatenate([h[rows] for _, h in self.backlog], axis=1))
 
     def _plain_pass(self, ahead: int = 0) -> PlainPass:
         """Queue depth 0's pass: the trunk over each row's pending token (mlx-lm's own forward), each

@@ -15,7 +15,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from .rollback import GDNTape, rollback
-from .round.rounds import Rounds
+from .round.rounds import Rounds, trim_to
 from .round.row import Row
 from .round.scoring import scored
 from .config import SamplingParams, SpecConfig
@@ -411,8 +411,7 @@ def settled(prompt: List[int], generated: List[int], emitted: int, trunk: List, 
     tokens = tuple(prompt + generated[: emitted - 1])
     last_hidden = hidden[:, keep - 1 : keep] if keep else before
     if head is not None:  # one row short: that row pairs the last position with the next token
-        for c in head:
-            c.trim(c.size() - (len(tokens) - 1))
+        trim_to(head, len(tokens) - 1)
     head = head if last_hidden is not None else None  # no hidden: its open row cannot be built
     return PrefixEntry(tokens, trunk, head, last_hidden, {p: cp for p, cp in checkpoints.items() if p < len(tokens)})
 

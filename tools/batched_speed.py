@@ -40,13 +40,12 @@ from speculative.batched import BatchSpeculator  # noqa: E402
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
 from speculative.engine import generate  # noqa: E402
 from speculative.events import Token  # noqa: E402
-from speculative.draft_vocab.head import DraftLMHead, lm_head_module  # noqa: E402
 from speculative.loader import load_checkpoint  # noqa: E402
 from speculative.measure import shapes  # noqa: E402
 from speculative.measure.blas import detect  # noqa: E402
 from speculative.measure.random_checkpoint import built, scaled_down  # noqa: E402
 from speculative.measure.replay import ReplayedBatch, parse_profile  # noqa: E402
-from speculative.measure.scale import draft_subset, draft_vocab_floor, random_prompt  # noqa: E402
+from speculative.measure.scale import draft_head, draft_vocab_floor, random_prompt  # noqa: E402
 from speculative.measure.suites import SUITES, encode  # noqa: E402
 
 
@@ -132,9 +131,8 @@ def replayed(lm, prompts, n, depth, profile, draft_vocab):
     references, _ = plain_batching(lm, prompts, n + depth)
     head = None
     if draft_vocab == "auto":
-        vocab = lm.target.args.vocab_size
-        first = [t for ref in references.values() for t in ref]
-        head = DraftLMHead(lm_head_module(lm.target), draft_subset(lm.tokenizer, vocab, draft_vocab_floor(vocab), first), vocab)
+        floor = draft_vocab_floor(lm.target.args.vocab_size)
+        head = draft_head(lm, floor, [t for ref in references.values() for t in ref])
     return lambda lm: ReplayedBatch(lm, references, profile, draft_head=head)
 
 

@@ -29,7 +29,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from speculative import engine  # noqa: E402
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
-from speculative.draft_vocab.head import DraftLMHead, lm_head_module  # noqa: E402
+from speculative.draft_vocab.head import DraftLMHead  # noqa: E402
 from speculative.measure.cost_model import draft_call, verify_call  # noqa: E402
 from speculative.measure.replay import ReplayedSpeculator, parse_profile  # noqa: E402
 from speculative.measure.thread_time import Usage, since, stamp  # noqa: E402
@@ -111,7 +111,7 @@ def main() -> int:
     from speculative.measure.bench import run_mlx_lm
     from speculative.measure.blas import detect
     from speculative.measure.random_checkpoint import built, scaled_down
-    from speculative.measure.scale import draft_subset, draft_vocab_floor, random_prompt
+    from speculative.measure.scale import draft_head, draft_vocab_floor, random_prompt
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", required=True, choices=shapes.names())
@@ -147,7 +147,7 @@ def main() -> int:
         head = None
         if args.draft_vocab != "full":
             n = draft_vocab_floor(vocab) if args.draft_vocab == "auto" else int(args.draft_vocab)
-            head = DraftLMHead(lm_head_module(lm.target), draft_subset(lm.tokenizer, vocab, n, reference), vocab)
+            head = draft_head(lm, n, reference)
         drafts = f"{len(head.ids.tolist())} draft tokens" if head is not None else "the whole vocabulary"
         print(f"{args.shape} {args.dtype}, drafts over {drafts}, acceptance {list(profile)}, "
               f"{args.max_tokens} tokens, context {args.context}; per round, medians")

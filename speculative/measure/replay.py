@@ -5,8 +5,8 @@ and say nothing of what a trained head earns. Here the real head still runs ever
 cost is real); each draft is then replaced by the token plain greedy decoding wrote at that
 position (known from a reference run) or by a wrong one, so that draft position j is accepted
 with probability profile[j]. Verify, acceptance, rollback and the head rows run for real, and the
-output is still the plain greedy text. Used only by the benchmarks: no server or CLI path makes one. ReplayedBatch does the same for
-batched drafting, each row against its own reference.
+output is still the plain greedy text. Used only by the benchmarks: no server or CLI path makes one.
+ReplayedBatch does the same for batched drafting, each row against its own reference.
 
 Over a draft vocabulary (`draft_head`, a DraftLMHead) the head projects onto the subset's rows only,
 as `--draft-vocab` does, and every scripted draft is one of the subset's ids: a reference token
@@ -50,8 +50,8 @@ def parse_profile(text: str) -> Tuple[float, ...]:
 
 class Script:
     """Scripted drafts against one reference: each round, position j right with probability profile[j]
-    (one uniform per round, seeded by the round's start: `right` leading drafts are the reference's, so P(position j accepted) =
-    P(right >= j) = profile[j - 1] for a non-increasing profile). Over a draft vocabulary (`subset`,
+    (one uniform per round, seeded by the round's start: `right` leading drafts are the reference's,
+    so P(position j accepted) = P(right >= j) = profile[j - 1] for a non-increasing profile). Over a draft vocabulary (`subset`,
     sorted ids) a reference token outside it cannot be drafted: its position is a miss."""
 
     def __init__(self, reference: Sequence[int], profile: Sequence[float], vocab: int, subset=None,
@@ -81,6 +81,15 @@ class Script:
         return out
 
 
+def drafting_over(rounds, draft_head) -> Optional[List[int]]:
+    """Point `rounds`' draft step at `draft_head`'s rows (a DraftLMHead) when given; its sorted ids, else
+    None (the whole vocabulary)."""
+    if draft_head is None:
+        return None
+    rounds.draft_lm_head = draft_head
+    return draft_head.ids.tolist()
+
+
 def scripted(computed: mx.array, drafts: List[List[int]]) -> mx.array:
     """`drafts` in place of the head's `computed` ones; where() reads the computed, so evaluating the
     scripted drafts still runs the head."""
@@ -97,10 +106,7 @@ class ReplayedSpeculator(Speculator):
             raise DynoError("replayed acceptance scripts greedy drafts only")
         # A random model has no ranking of its own: the caller's subset stands in for `draft_vocab`'s.
         super().__init__(lm, params, depth, prefill_step, None if draft_head is not None else draft_vocab)
-        if draft_head is not None:
-            self.draft_lm_head = draft_head
-        subset = draft_head.ids.tolist() if draft_head is not None else None  # sorted
-        self.script = Script(reference, profile, lm.vocab_size, subset, seed)
+        self.script = Script(reference, profile, lm.vocab_size, drafting_over(self, draft_head), seed)
 
     def draft(self, k: int):
         """The head's k drafts, computed, then swapped for scripted ones."""
@@ -111,16 +117,15 @@ class ReplayedSpeculator(Speculator):
 
 class ReplayedBatch(BatchSpeculator):
     """A BatchSpeculator whose rows' drafts follow `profile`, each row against its own reference
-    (`references[row_id]`, that row's plain greedy tokens) and with its own seeded stream, so a row's
-    rounds do not depend on the rows beside it. Greedy rows only."""
+    (`references[row_id]`, that row's plain greedy tokens) and its own seed, so a row's rounds do not
+    depend on the rows beside it. Greedy rows only."""
 
     def __init__(self, lm, references: Dict[Hashable, Sequence[int]], profile: Sequence[float], seed: int = 0,
                  draft_head=None):
         super().__init__(lm)
-        if draft_head is not None:
-            self.draft_lm_head = draft_head
-        subset = draft_head.ids.tolist() if draft_head is not None else None
-        self.scripts = {i: Script(ref, profile, lm.vocab_size, subset, f"{seed}/{i}") for i, ref in references.items()}
+        subset = drafting_over(self, draft_head)
+        self.scripts = {i: Script(ref, profile, lm.vocab_size, subset, f"{seed}/{i}")
+                        for i, ref in references.items()}
 
     def join(self, row_id, prompt, params, *args, **kwargs):
         if not params.greedy:

@@ -45,6 +45,13 @@ def draft_subset(tokenizer, vocab: int, size: int, first: Sequence[int] = (), id
     return ranked_ids(tokenizer, vocab, size, order=[*dict.fromkeys(first), *rest])
 
 
+def draft_head(lm: LoadedModel, size: int, first: Sequence[int] = (), ids: str = "first",
+               seed: int = 0) -> DraftLMHead:
+    """The trunk's lm_head over draft_subset's `size` ids: the draft step a random model's runs take."""
+    vocab = lm.target.args.vocab_size
+    return DraftLMHead(lm_head_module(lm.target), draft_subset(lm.tokenizer, vocab, size, first, ids, seed), vocab)
+
+
 def subset_label(ids: str, seed: int = 0) -> str:
     """How draft_subset chose its ids, for the record."""
     rest = "the lowest ids" if ids == "first" else f"a seeded draw (seed {seed})"
@@ -73,7 +80,7 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
     vocab = lm.target.args.vocab_size
     n = draft_vocab or draft_vocab_floor(vocab)
     first = reference.tokens if reference is not None and draft_vocab else ()
-    subset = DraftLMHead(lm_head_module(lm.target), draft_subset(lm.tokenizer, vocab, n, first, draft_ids, seed), vocab)
+    subset = draft_head(lm, n, first, draft_ids, seed)
     record["draft_vocab"] = ({"tokens": n, "ids": subset_label(draft_ids, seed)} if draft_vocab else
                              {"tokens": None, "ids": "the whole vocabulary"})
     costs = cost_model(lm, prompt, depths, reps=reps, burst=1, other_projections={n: subset}, context=padded_to)

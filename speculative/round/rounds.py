@@ -34,6 +34,12 @@ class Verified(NamedTuple):
     details: List[Optional[RoundDetails]]  # per row, when its Row asks (Row.details)
 
 
+def trim_to(caches: List, rows: int) -> None:
+    """Cut each cache (mlx-lm's trim protocol) back to its first `rows` rows."""
+    for c in caches:
+        c.trim(c.size() - rows)
+
+
 class Rounds:
     """What every speculative generation shares, for its B rows: the drafts, the verify round and its
     rollback. A subclass sets `target`, `head`, `draft_lm_head`, `rows`, the caches, `pending` ([B]
@@ -52,18 +58,19 @@ class Rounds:
     rope = None  # an image prompt's M-RoPE positions (target.MRoPE); None: mlx-lm's RoPE
     health = None  # the head's health (heads/health.py), while it is checked
 
-    def _head(self, tokens: mx.array, hidden: mx.array, embeddings: Optional[mx.array] = None) -> mx.array:
-        """Head rows for [B, T] tokens with their [B, T, H] trunk hiddens; returns post-norm [B, T, H].
+    def _head(self, tokens: mx.array, hidden: mx.array, embeddings: Optional[mx.array] = None,
+              cache: Optional[List] = None) -> mx.array:
+        """Head rows for [B, T] tokens with their [B, T, H] trunk hiddens, into `cache` (default: the
+        head's caches); returns post-norm [B, T, H].
 
         `embeddings` replace the tokens' (an image's rows are the tower's, as vLLM feeds its head).
         """
         embeddings = self.target.embed(tokens) if embeddings is None else embeddings
-        return self.head(embeddings, hidden, self.head_cache, rope=self.rope)
+        return self.head(embeddings, hidden, self.head_cache if cache is None else cache, rope=self.rope)
 
     def _trim_head(self, rows: int) -> None:
         """Cut the head's caches back to their first `rows` rows."""
-        for c in self.head_cache:
-            c.trim(c.size() - rows)
+        trim_to(self.head_cache, rows)
 
     def draft_rows(self, k: int) -> Tuple[mx.array, List[Optional[mx.array]]]:
         """k drafts per row by one head pass per step: ([B, k] tokens, per row [k, V] draft probs or None)."""
