@@ -36,7 +36,7 @@ from mlx_lm.generate import BatchGenerator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from speculative.batched import BatchSpeculator  # noqa: E402
+from speculative.batched import BatchSpeculator, Joiner  # noqa: E402
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
 from speculative.engine import generate  # noqa: E402
 from speculative.events import Token  # noqa: E402
@@ -50,11 +50,11 @@ from speculative.measure.suites import SUITES, encode  # noqa: E402
 
 
 def batched_drafting(lm, prompts, n, depth, make=BatchSpeculator):
-    """Rows join (each prefilled alone), then rounds at `depth` until every row is done; returns the
-    tokens and when every row had its first one."""
-    batch, out = make(lm), {}
-    for i, p in enumerate(prompts):
-        out[i] = [e.id for e in batch.join(i, p, SamplingParams(max_tokens=n)).events]
+    """Rows join together (one prefill, as the server's requests that arrive together), then rounds at
+    `depth` until every row is done; returns the tokens and when every row had its first one."""
+    batch = make(lm)
+    joined = batch.join_all([Joiner(i, p, SamplingParams(max_tokens=n)) for i, p in enumerate(prompts)])
+    out = {i: [e.id for e in r.events] for i, r in joined.items()}
     decoding = time.perf_counter()
     while batch:
         for i, r in batch.step(depth).items():

@@ -2,8 +2,8 @@
 speculative.batched.BatchSpeculator, every row drafting with the MTP head.
 
 Rows join between rounds while the batch has room (the decode concurrency) and the memory budget
-allows (admission.py); each is prefilled alone from the prompt cache's longest prefix, and the state
-after its prompt is kept there for later requests. Rows leave at EOS, max_tokens, a stop string, a
+allows (admission.py); those taken together are prefilled together, each from the prompt cache's
+longest prefix, and the state after each prompt is kept there for later requests. Rows leave at EOS, max_tokens, a stop string, a
 cancel, or an error of their own (its processors or its output raising): that row fails, the others go
 on. A row that finishes (not one that fails) also keeps its final state, settled as the serial
 engine's to the tokens its client received but the last, so that a chat's next turn reuses the answer.
@@ -20,7 +20,7 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
-from speculative.batched import BatchSpeculator, Leaving, RowEvents
+from speculative.batched import BatchSpeculator, Joiner, Leaving, RowEvents
 from speculative.events import Round, Token
 from speculative.heads.health import gives_up, watch
 from speculative.round.depth_policy import RoundTimer
@@ -144,71 +144,106 @@ class DraftingBatch:
     # ---- rows joining ----
 
     def _admit(self) -> bool:
-        """Move queued jobs into the batch while there is room (waiting for one when idle); False once closed."""
+        """Move queued jobs into the batch while there is room (waiting for one when idle), those
+        taken together prefilled together; False once closed."""
         w = self.worker
-        while len(self.active) < w.concurrency and w.swap is None:  # a swap waiting: no row joins
+        joining = []  # (job, its row's estimated bytes), prefilled together below
+        while len(self.active) + len(joining) < w.concurrency and w.swap is None:  # a swap waiting: no row joins
             job = self.held
             if job is None:
-                if not self.active:  # an idle wait is no round's time
+                idle = not self.active and not joining
+                if idle:  # an idle wait is no round's time
                     self.timer.skip()
                 try:
-                    job = w.jobs.get(block=not self.active)
+                    job = w.jobs.get(block=idle)
                 except queue.Empty:
-                    return True
+                    break
                 if job is None:
+                    for waiting, _ in joining:
+                        w.fail(waiting, STOPPED, 503)
                     return False
                 if w.settled_in_queue(job) or w.stale(job):
                     continue
                 if job.images is not None:  # not yet a row of the batch: served by itself, the batch waiting
+                    self._join(joining)
+                    joining = []
                     w.run_alone(job)
                     continue
             tokens = len(job.prompt) + job.params.max_tokens
             deepest = max(w.policy.deepest, pinned_depth(job) or 0)
-            if not self.admission.fits(self.bytes.values(), tokens, deepest):
+            if not self.admission.fits(list(self.bytes.values()) + [n for _, n in joining], tokens, deepest):
                 self.held = job  # first come, first served: later jobs wait behind it
-                return True
+                break
             self.held = None
-            self._join(job, self.admission.memory.row(tokens, deepest))
+            joining.append((job, self.admission.memory.row(tokens, deepest)))
+        self._join(joining)
         return True
 
-    def _join(self, job, nbytes: int) -> None:
-        """Prefill the job's prompt alone (after its cached prefix) and add its row; send its first token."""
+    def _join(self, joining) -> None:
+        """Prefill the jobs' prompts together, each after its cached prefix, and add their rows; send
+        their first tokens. A job that cannot join fails alone."""
+        if not joining:
+            return
         w = self.worker
         self.timer.skip()  # the prefill is no round's time
-        job.stats = GenerationStats(draft_depth=w.spec.draft_depth)
-        job.started_at = time.perf_counter()
-        row = self.next_row
-        self.next_row += 1
-        try:
-            resume = w.prefix_cache.take(job.prompt, head_layers=len(w.lm.head.layers))
-            at = len(resume) if resume else 0
-            cuts = w.prefix_cache.plan(len(job.prompt), message_starts(job.prompt, w.marker), at)
+        joiners, jobs = [], {}
+        for job, nbytes in joining:
+            job.stats = GenerationStats(draft_depth=w.spec.draft_depth)
+            job.started_at = time.perf_counter()
+            row = self.next_row
+            self.next_row += 1
+            try:
+                resume = w.prefix_cache.take(job.prompt, head_layers=len(w.lm.head.layers))
+                at = len(resume) if resume else 0
+                cuts = w.prefix_cache.plan(len(job.prompt), message_starts(job.prompt, w.marker), at)
+            except Exception as e:  # this request alone is refused; the batch goes on
+                log.exception("cannot add a request to the batch")
+                w.fail(job, failure(e))
+                continue
             job.reused = at
-            out = self.batch.join(row, job.prompt, job.params, resume, cuts, depth=pinned_depth(job),
-                                  details=job.spec is not None and job.spec.details)
-        except Exception as e:  # this request alone is refused; the batch goes on
-            log.exception("cannot add a request to the batch")
-            w.fail(job, failure(e))
+            joiners.append(Joiner(row, job.prompt, job.params, resume, cuts, depth=pinned_depth(job),
+                                  details=job.spec is not None and job.spec.details))
+            jobs[row] = job, nbytes
+        if not joiners:
             return
-        self.active[row] = job
-        self.bytes[row] = nbytes
-        if row in self.batch:
-            speculator = self.batch.rows[-1]
-            if speculator.processors:
-                speculator.processors = GuardedProcessors(speculator.processors, job)
-            self._keep_prompt(job, len(self.batch) - 1, speculator)
+        try:
+            outs = self.batch.join_all(joiners)
+        except Exception as e:
+            if len(joiners) == 1:  # this request alone is refused; the batch goes on
+                log.exception("cannot add a request to the batch")
+                w.fail(jobs[joiners[0].row_id][0], failure(e))
+                return
+            log.exception("cannot prefill the joining requests together: each joins alone")
+            for job, nbytes in jobs.values():
+                self._join([(job, nbytes)])
+            return
+        for j in joiners:
+            job, nbytes = jobs[j.row_id]
+            if outs[j.row_id].error is not None:  # its own processors raised at its first token
+                w.fail(job, failure(outs[j.row_id].error))
+                continue
+            self.active[j.row_id], self.bytes[j.row_id] = job, nbytes
+            if j.row_id in self.batch:
+                b = self.batch.ids.index(j.row_id)
+                row = self.batch.rows[b]
+                if row.processors:
+                    row.processors = GuardedProcessors(row.processors, job)
+                self._keep_prompt(job, b, row, self.batch.prompt_hidden[j.row_id])
         w.metrics.set_width(len(self.batch))
-        self._deliver(row, out)
+        for j in joiners:  # (after every joiner's prompt state is kept: a row ending here leaves the batch)
+            if j.row_id in self.active:
+                self._deliver(j.row_id, outs[j.row_id])
 
-    def _keep_prompt(self, job, b: int, speculator) -> None:
-        """Keep the state after the prompt (row b of the batch now) in the prompt cache, for later requests."""
+    def _keep_prompt(self, job, b: int, row, hidden) -> None:
+        """Keep the state after the prompt (row b of the batch now; `hidden`: the trunk's at the prompt's
+        last token) in the prompt cache, for later requests."""
         cache = self.worker.prefix_cache
         if cache is None or not cache.enabled:
             return
         try:
             n = len(job.prompt)
             trunk = [own_rows(c.extract(b)) for c in self.batch.trunk_cache]
-            entry = entry_from(job.prompt, trunk, speculator.checkpoints)
+            entry = entry_from(job.prompt, trunk, row.checkpoints)
             # The head's rows 0..n-1 (its prefill ended with the first token's row): kept one short,
             # with the trunk's last hidden, so that a later request drafts as this one did. A row
             # resumed without head rows (a shifted head) has fewer; its entry stays headless.
@@ -217,7 +252,7 @@ class DraftingBatch:
                 for h in head:
                     h.trim(1)
                 entry.head_cache = [own_rows(h) for h in head]
-                entry.last_hidden = self.batch.last_hidden
+                entry.last_hidden = hidden
             cache.put(entry)
         except Exception:  # the answer matters more than keeping its state
             log.exception("cannot keep a batched request's prompt state")

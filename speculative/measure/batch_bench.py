@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Sequence
 
 from mlx_lm.generate import BatchGenerator
 
-from ..batched import BatchSpeculator
+from ..batched import BatchSpeculator, Joiner
 from ..config import SamplingParams, SpecConfig
 from ..engine import generate
 from ..events import Token
@@ -39,7 +39,7 @@ class BatchRun:
 def run_speculator(lm: LoadedModel, prompts: Sequence[Sequence[int]], params: SamplingParams,
                    depth_for: Callable[[int], int], observe: Callable = None,
                    draft_vocab=None, record: Callable = None, peek: Callable[[int], int] = None) -> BatchRun:
-    """The rows through one BatchSpeculator: all join (each prefilled alone), then rounds at depth_for(width)."""
+    """The rows through one BatchSpeculator: all join together (one prefill), then rounds at depth_for(width)."""
     start = time.perf_counter()
     batch = BatchSpeculator(lm, draft_vocab=draft_vocab)
     n = len(prompts)
@@ -51,8 +51,8 @@ def run_speculator(lm: LoadedModel, prompts: Sequence[Sequence[int]], params: Sa
         ttft[i] = ttft[i] or now
         latency[i] = now
 
-    for i, prompt in enumerate(prompts):
-        take(i, batch.join(i, prompt, params))
+    for i, out in batch.join_all([Joiner(i, prompt, params) for i, prompt in enumerate(prompts)]).items():
+        take(i, out)
     timer = RoundTimer(record) if record is not None else None
     while batch:
         width, k = len(batch), depth_for(len(batch))

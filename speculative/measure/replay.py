@@ -127,10 +127,10 @@ class ReplayedBatch(BatchSpeculator):
         self.scripts = {i: Script(ref, profile, lm.vocab_size, subset, f"{seed}/{i}")
                         for i, ref in references.items()}
 
-    def join(self, row_id, prompt, params, *args, **kwargs):
-        if not params.greedy:
+    def join_all(self, joiners):
+        if not all(j.params.greedy for j in joiners):
             raise DynoError("replayed acceptance scripts greedy drafts only")
-        return super().join(row_id, prompt, params, *args, **kwargs)
+        return super().join_all(joiners)
 
     def draft_rows(self, k: int):
         """Every row's k drafts, computed, then swapped for its script's."""

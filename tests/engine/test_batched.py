@@ -10,14 +10,16 @@ from scipy.stats import chi2
 
 from helpers.distribution import FALSE_ALARM, PARAMS, chi_square, exact_joint
 from helpers.reference import plain_greedy, plain_greedy_prefix
-from speculative import batched, rollback
-from speculative.batched import BatchSpeculator
+from speculative import rollback
+from speculative.batched import speculator
+from speculative.batched import BatchSpeculator, Joiner
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
 from speculative.errors import DynoError
 from speculative.events import Provenance, Round, Token
 from speculative.loader import load_checkpoint
 from speculative.prompt_cache.store import PrefixCache
+from speculative.round.row import Row
 from speculative.stats import GenerationStats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,7 +253,7 @@ def test_depth_zero_and_changing_depths_stay_plain_greedy(bundled, monkeypatch, 
     """Depth 0 is a plain batched round; rounds switch between it and drafting (the head catches up
     on the rows plain rounds deferred, here every two), rows join and leave in between: every row is
     plain greedy."""
-    monkeypatch.setattr(batched, "HEAD_BACKLOG", 2)
+    monkeypatch.setattr(speculator, "HEAD_BACKLOG", 2)
     lm = bundled(name)
     prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
     limits = [60, 70, 40, 25]
@@ -474,3 +476,64 @@ def test_rows_stopped_inside_a_round_or_after_plain_rounds_keep_what_they_delive
     assert delivered[0] == plain_greedy_prefix(lm, prompts[0], len(delivered[0]))
     assert delivered[1] == plain_greedy_prefix(lm, prompts[1], len(delivered[1]))
     assert_resumes_exactly(lm, entries, prompts, delivered)
+
+
+def test_rows_joining_together_are_prefilled_together(bundled, monkeypatch):
+    """Two cold rows and two resumed ones (with head rows, and without: a shifted head), each with its
+    own cuts, are prefilled in one padded pass: every row stays plain greedy, a cold row's checkpoints
+    are the single-row prefill's, a row ending at its first token settles to a state that resumes
+    exactly, and a row whose processors raise at its first token fails alone."""
+    lm = bundled("dyno-tiny")
+    cache = PrefixCache()
+    warm = []
+    for text, mode in ((PROMPTS[0], "mtp"), (PROMPTS[1], "off")):
+        first = lm.tokenizer.encode(text)
+        done = list(generate(lm, first, SamplingParams(max_tokens=12), SpecConfig(mode, 3), prefix_cache=cache))
+        warm.append(first + tokens(done) + lm.tokenizer.encode("\n# next\n"))
+    prompts = {"warm0": warm[0], "warm1": warm[1], "cold": lm.tokenizer.encode(PROMPTS[3]),
+               "one": lm.tokenizer.encode(PROMPTS[2]), "raises": lm.tokenizer.encode(PROMPTS[0])}
+    limits = {"warm0": 30, "warm1": 30, "cold": 30, "one": 1, "raises": 13}
+    joiners = []
+    for name, prompt in prompts.items():
+        resume = cache.take(prompt, head_layers=len(lm.head.layers)) if name.startswith("warm") else None
+        assert (resume is not None) == name.startswith("warm")
+        cuts = cache.plan(len(prompt), (5, 11), len(resume) if resume else 0)
+        joiners.append(Joiner(name, prompt, SamplingParams(max_tokens=limits[name]), resume, cuts))
+    cold = next(j for j in joiners if j.row_id == "cold")
+    assert len({len(j.prompt) - len(j.resume or ()) for j in joiners}) >= 4 and len(cold.cuts) >= 2  # padded
+
+    real_process, real_hidden, widths = Row.process, lm.target.hidden, []
+
+    def process(row, rows, drafts=None):
+        if row.params.max_tokens == limits["raises"]:
+            raise ValueError("a processor failed")
+        return real_process(row, rows, drafts)
+
+    def hidden(tokens, cache, *args, **kwargs):
+        widths.append(tokens.shape[0])
+        return real_hidden(tokens, cache, *args, **kwargs)
+
+    monkeypatch.setattr(Row, "process", process)
+    monkeypatch.setattr(lm.target, "hidden", hidden)
+    batch = BatchSpeculator(lm)
+    out = batch.join_all(joiners)
+    assert widths and set(widths) == {5}  # every prefill chunk and the last tokens' pass: all rows at once
+    assert isinstance(out["raises"].error, ValueError) and "raises" not in batch
+    assert out["one"].finish == "length" and "one" not in batch
+    got = {name: tokens(o.events) for name, o in out.items() if o.error is None}
+    checkpoints = batch.rows[batch.ids.index("cold")].checkpoints
+    monkeypatch.undo()
+    while batch:
+        for name, o in batch.step(3).items():
+            got[name] += tokens(o.events)
+    for name in ("warm0", "warm1", "cold", "one"):
+        assert got[name] == plain_greedy_prefix(lm, prompts[name], limits[name]), name
+
+    alone = Speculator(lm, SamplingParams(max_tokens=30), 3, 2048)
+    alone.prefill(cold.prompt, None, cold.cuts)
+    assert sorted(checkpoints) == sorted(alone.checkpoints) == sorted(cold.cuts)
+    for at, want in alone.checkpoints.items():
+        have = checkpoints[at]
+        pairs = [(a, b) for x, y in zip(have.recurrent, want.recurrent) if x is not None for a, b in zip(x, y)]
+        assert pairs and all(mx.array_equal(a, b).item() for a, b in pairs + [(have.hidden, want.hidden)]), at
+    assert_resumes_exactly(lm, {"one": out["one"].left.settle(1)}, prompts, got)

@@ -8,6 +8,7 @@ import logging
 import queue
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,6 +19,7 @@ from dyno_ui.runtime.outputs import Failed, Finished, Traced
 from dyno_ui.runtime.textstream import TextAssembler
 from dyno_ui.runtime.worker import Job
 from helpers.serving import MODEL_ID, running_server
+from speculative.batched import BatchSpeculator
 from speculative.config import SamplingParams, SpecConfig
 from speculative.events import Round, Token
 from speculative.round import depth_policy
@@ -181,6 +183,56 @@ def test_a_seeded_sampled_request_is_the_same_alone_and_in_a_batch(batched):
         beside = pool.submit(lambda: batched.client.completions.create(**kw).choices[0].text)
         assert beside.result() == alone
         [f.result() for f in others]
+
+
+def answered_together(server, todo):
+    """Each of `todo`'s completions (name -> (prompt, max_tokens)), queued while the engine thread is
+    held, so that they join the batch together: name -> (text, finish reason)."""
+    worker, gate = server.served.worker, threading.Event()
+    busy = worker.call(lambda: gate.wait(60))  # the engine thread holds here while the requests queue
+    with ThreadPoolExecutor(len(todo)) as pool:
+        futures = {name: pool.submit(completion, server, *args) for name, args in todo.items()}
+        deadline = time.monotonic() + 60
+        while worker.jobs.qsize() < len(todo) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.set()
+        got = {name: f.result()[:2] for name, f in futures.items()}
+    assert busy.result() is True
+    return got
+
+
+def test_requests_that_wait_together_are_prefilled_together(batched, serial, monkeypatch):
+    """Requests queued while the engine thread is busy join the batch in one prefill, prompts of
+    different lengths padded together, and each gets the serial server's answer."""
+    todo = {"short": ("def f(x):", 20), "long": ("# " + "a comment line\n" * 8 + "def g(y):", 15),
+            "odd": ("class Point:\n", 25)}
+    want = {name: completion(serial, *args)[:2] for name, args in todo.items()}
+    sizes, join_all = [], BatchSpeculator.join_all
+
+    def counted(self, joiners):
+        sizes.append(len(joiners))
+        return join_all(self, joiners)
+
+    monkeypatch.setattr(BatchSpeculator, "join_all", counted)
+    got = answered_together(batched, todo)
+    assert got == want and sizes == [len(todo)]
+
+
+def test_a_prefill_that_fails_together_is_retried_row_by_row(batched, serial, monkeypatch):
+    """If the joiners' shared prefill raises (memory, say), each joins alone: no request is lost."""
+    todo = {"a": ("def f(x):", 12), "b": ("class Point:\n", 9)}
+    want = {name: completion(serial, *args)[:2] for name, args in todo.items()}
+    sizes, join_all = [], BatchSpeculator.join_all
+
+    def fails_together(self, joiners):
+        sizes.append(len(joiners))
+        if len(joiners) > 1:
+            raise MemoryError("out of memory")
+        return join_all(self, joiners)
+
+    monkeypatch.setattr(BatchSpeculator, "join_all", fails_together)
+    got = answered_together(batched, todo)
+    assert got == want and sizes == [2, 1, 1]
 
 
 def test_a_failing_row_fails_alone(batched, serial):

@@ -2,12 +2,13 @@
 pass per round (round.Rounds, the round the single-row Speculator runs too); acceptance, rollback,
 RNG, stopping and a pinned depth stay per row (row.Row).
 
-A row is prefilled alone at its own length (the single-row Speculator's prefill, prefix reuse
-included) and then joins: its attention caches become rows of mlx-lm BatchKVCaches (left padding,
-a RoPE offset per row), its Gated DeltaNet caches rows of ArraysCaches (no pad token ever enters a
-recurrent state). Rows leave between rounds. Rollback is exact per row: a row's rejected KV slots
-are rolled into its own left padding, where the mask hides them (a zeroed key would still add e^0
-to the softmax denominator), and its GDN state is taken from its own position on the verify tape.
+Rows that join together are prefilled together (prefill.py: right-padded as mlx-lm's BatchGenerator
+does, each after its own resumed prefix) and then join: their attention caches are rows of mlx-lm
+BatchKVCaches (left padding, a RoPE offset per row), their Gated DeltaNet caches rows of ArraysCaches
+(no pad token ever enters a recurrent state). Rows leave between rounds. Rollback is exact per row:
+a row's rejected KV slots are rolled into its own left padding, where the mask hides them (a zeroed
+key would still add e^0 to the softmax denominator), and its GDN state is taken from its own
+position on the verify tape.
 
 A row that leaves (EOS or max_tokens in a round, a stop string or a cancel between rounds) hands
 back its own caches and its latest pass (Leaving), which settle, as the single-row Speculator's do,
@@ -28,17 +29,18 @@ from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from .rollback import GDNTape, restore, snapshot, tape_row
-from .round.rounds import Rounds
-from .round.row import Row
-from .config import SamplingParams
-from .engine import PREFILL_STEP, LastPass, Speculator, settled
-from .errors import DynoError
-from .events import Provenance, Round, Token
-from .loader import LoadedModel
-from .backend.memory import MLX_MEMORY, Memory
-from .prompt_cache.store import PrefixEntry, Resume, ShiftedKVCache, own_rows
-from .round.sampling import log_softmax
+from ..rollback import GDNTape, restore, snapshot, tape_row
+from ..round.rounds import Rounds
+from ..round.row import Row
+from ..config import SamplingParams
+from .prefill import Joiner, prefill_together
+from ..engine import PREFILL_STEP, LastPass, settled
+from ..errors import DynoError
+from ..events import Provenance, Round, Token
+from ..loader import LoadedModel
+from ..backend.memory import MLX_MEMORY, Memory
+from ..prompt_cache.store import PrefixEntry, Resume, ShiftedKVCache, own_rows
+from ..round.sampling import log_softmax
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +125,8 @@ class RowEvents(NamedTuple):
 
     events: List[Union[Round, Token]]
     finish: Optional[str] = None  # "stop" (EOS) or "length" (max_tokens)
-    left: Optional[Union[Leaving, Speculator]] = None  # a row that finished: its state, to settle
+    left: Optional[Leaving] = None  # a row that finished: its state, to settle
+    error: Optional[BaseException] = None  # a joiner that failed alone (its processors raised)
 
 
 class PlainPass(NamedTuple):
@@ -179,7 +182,7 @@ class BatchSpeculator(Rounds):
         # per round ([B, 1] tokens, [B, 1, H] trunk hiddens), row b's pair = (token after position p, h_p).
         self.backlog: List[Tuple[mx.array, mx.array]] = []
         self.ahead: Optional[PlainPass] = None  # the next plain round's pass, queued by this one
-        self.last_hidden: Optional[mx.array] = None  # the latest joiner's trunk hidden at its prompt's end
+        self.prompt_hidden: Dict[Hashable, mx.array] = {}  # the latest joiners' trunk hiddens at their prompts' ends
         self.queued: Optional[QueuedDrafts] = None  # the next drafting round's drafts, queued by this one
         self.passes: List[RowPass] = []  # row b's latest trunk pass, to settle it by as it leaves
 
@@ -192,40 +195,101 @@ class BatchSpeculator(Rounds):
     def join(self, row_id: Hashable, prompt: Sequence[int], params: SamplingParams,
              resume: Optional[Resume] = None, cuts: Sequence[int] = (), depth: Optional[int] = None,
              details: bool = False) -> RowEvents:
-        """Prefill `prompt` alone (after `resume`'s prefix), then add the row to the batch; returns its
-        first token. A row that ends at its first token never joins. `depth` pins the row's draft depth
-        (0: it never drafts), whatever the rounds' depth is; None: it drafts at the rounds' depth.
+        """One row joins (join_all): returns its first token."""
+        out = self.join_all([Joiner(row_id, prompt, params, resume, cuts, depth, details)])[row_id]
+        if out.error is not None:
+            raise out.error
+        return out
+
+    def join_all(self, joiners: Sequence[Joiner]) -> Dict[Hashable, RowEvents]:
+        """Prefill the joiners' prompts together (prefill.py: each after its resumed prefix), then
+        add their rows to the batch; returns each one's first token. A row that ends at its first
+        token never joins; one whose processors raise there gets its error and never joins.
+        A joiner's `depth` pins its draft depth (0: it never drafts), whatever the rounds' depth is;
         `details`: its Rounds carry each draft's p, q and acceptance chance (the playground's viewer)."""
-        if row_id in self.ids:
-            raise DynoError(f"row {row_id!r} is already in the batch")
-        if len(prompt) == 0:
+        ids = [j.row_id for j in joiners]
+        if len(set(ids)) < len(ids) or any(i in self.ids for i in ids):
+            raise DynoError(f"rows {ids!r} are already in the batch")
+        if any(len(j.prompt) == 0 for j in joiners):
             raise DynoError("the prompt is empty")
         self._delivered()  # (before the prefill: the tapes' memory is free for it)
-        alone = Speculator(self.lm, params, 1, self.prefill_step, self.draft_vocab, details, memory=self.memory)
-        row = alone.row
-        row.depth = depth
-        row.prompt = list(prompt)
-        row.generated = [alone.prefill(row.prompt, resume, cuts).item()]
-        self.last_hidden = alone.last_pass.hidden  # [1, 1, H] the trunk's at the prompt's last token
-        out = RowEvents([Token(row.generated[0], Provenance.PLAIN, row.scores[0])], row.finish(1))
-        if out.finish is not None:
-            # its caches are its own: it settles them itself
-            return out._replace(left=alone if self.keep_states else None)
+        rows = []
+        for j in joiners:
+            row = Row(j.params, self.lm.eos_token_ids, self.lm.vocab_size, j.depth)
+            row.prompt, row.details = list(j.prompt), j.details
+            rows.append(row)
+        trunk, head = self._starting_caches(joiners[0])
+        for j in joiners[1:]:
+            t, h = self._starting_caches(j)
+            extend(trunk, t)
+            extend(head, h)
+        done = prefill_together(self, joiners, trunk, head, self.prefill_step)
+        picks, failed = [], {}
+        for b, row in enumerate(rows):
+            try:
+                logits = row.process(done.logits[b : b + 1])
+                picks.append((row.pick_target(logits), logits))
+            except Exception as e:  # its processors: this row alone fails
+                failed[b] = e
+                picks.append(None)
+        mx.eval([p[0] for p in picks if p is not None])
+        out, staying = {}, []
+        for b, (j, row) in enumerate(zip(joiners, rows)):
+            if b in failed:
+                out[j.row_id] = RowEvents([], error=failed[b])
+                continue
+            first, logits = picks[b]
+            row.generated = [first.item()]
+            row.checkpoints = done.checkpoints[b]
+            events = RowEvents([Token(row.generated[0], Provenance.PLAIN, row.scored(logits, row.generated)[0])],
+                               row.finish(1))
+            if events.finish is None:
+                staying.append(b)
+            elif self.keep_states:  # its caches, to settle: it never joins
+                events = events._replace(left=self._joiner_leaving(row, trunk, head, done.hidden, b))
+            out[j.row_id] = events
+        if not staying:
+            return out
+        firsts = mx.array([rows[b].generated[0] for b in staying], dtype=mx.uint32)
+        index = mx.array(staying)
+        if len(staying) < len(joiners):
+            keep_rows(trunk + head, staying)
+        hidden = done.hidden[index]
+        head_hidden = self._head(firsts[:, None], hidden, cache=head)[:, -1:]  # row n-1 drafts position n+1
         self._take_back()
-        self._catch_up_head()  # the rows already here owe head rows; the joiner owes none
-        trunk, head = as_batch(alone.trunk_cache), as_batch(alone.head_cache)
+        self._catch_up_head()  # the rows already here owe head rows; the joiners owe none
         if self.ids:
             extend(self.trunk_cache, trunk)
             extend(self.head_cache, head)
-            self.pending = mx.concatenate([self.pending, alone.pending])
-            self.head_hidden = mx.concatenate([self.head_hidden, alone.head_hidden])
+            self.pending = mx.concatenate([self.pending, firsts])
+            self.head_hidden = mx.concatenate([self.head_hidden, head_hidden])
         else:
             self.trunk_cache, self.head_cache = trunk, head
-            self.pending, self.head_hidden = alone.pending, alone.head_hidden
-        self.ids.append(row_id)
-        self.rows.append(row)
-        self.passes.append(RowPass(None, alone.last_pass.hidden, 1, 0))  # its prefill: one token kept
+            self.pending, self.head_hidden = firsts, head_hidden
+        self.prompt_hidden = {}
+        for i, b in enumerate(staying):
+            self.ids.append(joiners[b].row_id)
+            self.rows.append(rows[b])
+            self.passes.append(RowPass(None, hidden, 1, i))  # its prefill: one token kept
+            self.prompt_hidden[joiners[b].row_id] = hidden[i : i + 1]
         return out
+
+    def _starting_caches(self, joiner: Joiner) -> Tuple[List, List]:
+        """A joiner's one-row batch caches: its resumed prefix's (the head's open row run), or fresh."""
+        r = joiner.resume
+        if r is None:
+            return as_batch(self.target.make_cache()), as_batch(self.head.make_cache())
+        if r.hidden is not None:  # the head's row the entry left open: (t_at, h_{at-1})
+            self._head(mx.array(joiner.prompt[r.at : r.at + 1])[None], r.hidden, cache=r.head_cache)
+        return as_batch(r.trunk_cache), as_batch(r.head_cache)
+
+    def _joiner_leaving(self, row: Row, trunk: List, head: List, hidden: mx.array, b: int) -> Leaving:
+        """A joiner that ended at its first token: its own caches (the head's without the first
+        token's row, which settling drops anyway) and its last prompt token's pass."""
+        heads = [c.extract(b) for c in head]
+        n = len(row.prompt)
+        return Leaving(row, [c.extract(b) for c in trunk], heads if all(h.offset == n - 1 for h in heads) else None,
+                       LastPass(None, hidden[b : b + 1], 1))
 
     def leave(self, row_id: Hashable) -> Optional[Leaving]:
         """Drop a row (a stop string, a cancel, an error) between rounds; returns its state to settle

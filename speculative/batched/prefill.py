@@ -1,0 +1,89 @@
+"""Rows that join a batch together are prefilled together, as mlx-lm's BatchGenerator prefills its
+prompts: each row's uncached tokens right-padded to the longest, the caches told each row's length
+(attention never looks right of a row's own tokens, and a Gated DeltaNet state stops updating at its
+row's end), then the padding rolled to the left, where the batch's rounds expect it.
+
+A row resumed from the prompt cache starts from its own caches, merged left-padded beside the
+others. Chunks end at every row's cuts, where that row's recurrent state is checkpointed for the
+prompt cache, and are at most `step` columns long. The head runs one row behind the trunk, as in
+the single-row prefill (engine.Speculator.prefill): its row p pairs token p+1 with trunk hidden p.
+"""
+
+from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence
+
+import mlx.core as mx
+
+from ..config import SamplingParams
+from ..prompt_cache.store import Checkpoint, Resume, owned
+
+PAD = 0  # the padding's token id: never seen by a real row (masked, then rolled out of reach)
+
+
+class Joiner(NamedTuple):
+    """A request joining the batch: its prompt, its resumed prefix, where to checkpoint, its depth."""
+
+    row_id: Hashable
+    prompt: Sequence[int]
+    params: SamplingParams
+    resume: Optional[Resume] = None  # caches that consumed the prompt's first len(resume) tokens
+    cuts: Sequence[int] = ()  # positions at which to checkpoint the recurrent state
+    depth: Optional[int] = None  # pinned draft depth (0: never drafts); None: the rounds'
+    details: bool = False  # its Rounds carry each draft's p, q and acceptance chance
+
+
+class Prefilled(NamedTuple):
+    """The joiners' state after their prompts but each one's last token, and that token's pass."""
+
+    hidden: mx.array  # [B, 1, H] the trunk hidden at each row's last prompt token
+    logits: mx.array  # [B, V] the next token's logits, unprocessed
+    checkpoints: List[Dict[int, Checkpoint]]  # row b's: resumed ones and those taken at its cuts
+
+
+def row_state(trunk: List, b: int):
+    """Row b's recurrent layers (prompt_cache.store.recurrent_state of a batch)."""
+    return tuple(None if c.is_trimmable() else tuple(None if a is None else a[b : b + 1] for a in c.cache)
+                 for c in trunk)
+
+
+def chunks(width: int, cuts: Sequence[Sequence[int]], step: int):
+    """Column ranges covering [0, width): ending at every row's cut, at most `step` long."""
+    s = 0
+    for end in sorted({c for row in cuts for c in row} | {width}):
+        while s < end:
+            e = min(s + step, end)
+            yield s, e
+            s = e
+
+
+def prefill_together(rounds, joiners: Sequence[Joiner], trunk: List, head: List, step: int) -> Prefilled:
+    """Feed each joiner's prompt (after its resumed prefix) through `trunk` and `head`, batch caches
+    whose row b is joiners[b] (its resumed prefix already in them), then each row's last token."""
+    starts = [len(j.resume) if j.resume is not None else 0 for j in joiners]
+    lengths = [len(j.prompt) - 1 - s for j, s in zip(joiners, starts)]  # fed before the last token
+    width = max(lengths)
+    pad = [width - n for n in lengths]
+    tokens = mx.array([list(j.prompt[s : s + n]) + [PAD] * p for j, s, n, p in zip(joiners, starts, lengths, pad)])
+    ahead = mx.array([list(j.prompt[s + 1 : s + 1 + n]) + [PAD] * p  # the head's: one position on
+                      for j, s, n, p in zip(joiners, starts, lengths, pad)])
+    # Cuts as columns; one at a row's last fed token (the prompt cache's usual last) ends a chunk too.
+    cuts = [[c - s for c in j.cuts if s < c <= s + n] for j, s, n in zip(joiners, starts, lengths)]
+    checkpoints = [dict(j.resume.checkpoints) if j.resume is not None else {} for j in joiners]
+    padded = width > 0 and max(pad) > 0
+    if padded:
+        for c in trunk + head:
+            c.prepare(lengths=lengths, right_padding=pad)
+    for s, e in chunks(width, cuts, step):
+        hidden = rounds.target.hidden(tokens[:, s:e], trunk)
+        rounds._head(ahead[:, s:e], hidden, cache=head)  # row p = (t_{p+1}, h_p)
+        mx.eval([c.state for c in trunk + head])
+        rounds.memory.clear_cache()  # after each prefill chunk, as mlx-lm's generate_step
+        for b, row_cuts in enumerate(cuts):
+            if e in row_cuts:
+                at = starts[b] + e
+                checkpoints[b][at] = Checkpoint(at, owned(row_state(trunk, b)), mx.array(hidden[b : b + 1, -1:]))
+    if padded:
+        for c in trunk + head:
+            c.finalize()
+    last = mx.array([[j.prompt[-1]] for j in joiners])
+    hidden = rounds.target.hidden(last, trunk)  # [B, 1, H]
+    return Prefilled(hidden, rounds.target.lm_head(hidden[:, -1]), checkpoints)
