@@ -4,15 +4,17 @@
     python tools/batched_speed.py [--model assets/dyno-tiny] [--rows 1 2 4] [--depths 1 2 3]
                                   [--max-tokens 128] [--repeats 5] [--serial-depth 3] [--json FILE]
     tools/with_openblas.sh python tools/batched_speed.py --shape qwen3.5-0.8b --dtype float32 \
-        --acceptance 27b-code --draft-vocab auto --rows 2 4 --depths 0 1 2 3 --max-tokens 24 --repeats 5
+        --acceptance 27b-code --draft-vocab auto --rows 2 4 --depths 0 1 2 3 --policy --max-tokens 24 --repeats 5
 
 `--shape` builds a random checkpoint at a real model's shape (as tools/scale_bench.py does; removed
 at the end) and replays each row's drafts to an acceptance profile against that row's plain greedy
 tokens (speculative/measure/replay.py, ReplayedBatch); `--draft-vocab auto` drafts over auto's
 smallest draft vocabulary (scale.py's draft_subset, filled with the lowest ids after the rows'
-reference tokens). Each row's prompt is `--context` seeded random tokens.
+reference tokens). Each row's prompt is `--context` seeded random tokens. `--policy` adds the default
+server's automatic depth: its batched rounds timed at the shape first (as a first `dyno serve` start
+times them), the profile as its prior acceptance, then each round's depth its pick for the width.
 
-Each run starts from the prompts (prefill included) and ends at the last row's last token; the
+Each run starts from the prompts (the rows prefilled together, as BatchGenerator does) and ends at the last row's last token; the
 tokens are B x max_tokens unless a row reaches EOS (then the same for every method: greedy texts
 are checked to be identical). Per width the methods run in a rotating order each repeat, so no
 method always runs first; reported: the median aggregate tokens/s over the repeats (min-max) and
@@ -44,7 +46,9 @@ from speculative.loader import load_checkpoint  # noqa: E402
 from speculative.measure import shapes  # noqa: E402
 from speculative.measure.blas import detect  # noqa: E402
 from speculative.measure.random_checkpoint import built, scaled_down  # noqa: E402
-from speculative.measure.replay import ReplayedBatch, parse_profile  # noqa: E402
+from speculative.measure.batch_cost import measure_batch_costs  # noqa: E402
+from speculative.measure.replay import ReplayedBatch, drafting_over, parse_profile  # noqa: E402
+from speculative.round.depth_policy import MAX_DEPTH, DepthPolicy, RoundTimer  # noqa: E402
 from speculative.measure.scale import draft_head, draft_vocab_floor, random_prompt  # noqa: E402
 from speculative.measure.suites import SUITES, encode  # noqa: E402
 
@@ -60,6 +64,44 @@ def batched_drafting(lm, prompts, n, depth, make=BatchSpeculator):
         for i, r in batch.step(depth).items():
             out[i] += [e.id for e in r.events if isinstance(e, Token)]
     return out, decoding
+
+
+def policy_drafting(lm, prompts, n, policy, make, depths):
+    """As batched_drafting, each round at the depth `policy` picks for the width (it records the
+    rounds' times and learns acceptance from them), as `dyno serve`'s default runs; counts each
+    depth's rounds into `depths`."""
+    batch = make(lm)
+    joined = batch.join_all([Joiner(i, p, SamplingParams(max_tokens=n)) for i, p in enumerate(prompts)])
+    out = {i: [e.id for e in r.events] for i, r in joined.items()}
+    decoding, timer = time.perf_counter(), RoundTimer(policy.record)
+    while batch:
+        width = len(batch)
+        k, then = policy.depth_for(width), policy.peek(width)
+        depths[k] = depths.get(k, 0) + 1
+        timer.start(width, k, then)
+        rounds = batch.step(k, then)
+        policy.observe(e for r in rounds.values() for e in r.events)
+        for i, r in rounds.items():
+            out[i] += [e.id for e in r.events if isinstance(e, Token)]
+    timer.skip()
+    return out, decoding
+
+
+def server_policy(lm, prompt, widths, profile, head):
+    """The default server's depth policy at this shape: its batched rounds' costs timed here first
+    (measure_batch_costs, what a first `dyno serve` start does), the profile as the acceptance
+    `dyno tune` would have stored."""
+    def make():
+        batch = BatchSpeculator(lm)
+        drafting_over(batch, head)
+        return batch
+
+    started = time.perf_counter()
+    costs = measure_batch_costs(lm, prompt, widths=widths, reps=3, make=make)
+    policy = DepthPolicy(costs, list(profile))
+    print(f"timed the batched rounds for the policy in {time.perf_counter() - started:.0f}s; at first it picks "
+          + ", ".join(f"depth {policy.best_depth(w)} at {w} rows" for w in widths))
+    return policy
 
 
 def plain_batching(lm, prompts, n):
@@ -108,9 +150,13 @@ def main() -> None:
     ap.add_argument("--acceptance", default="27b-code", help="with --shape: the replayed profile, a name or rates")
     ap.add_argument("--draft-vocab", default="full", choices=["full", "auto"], help="with --shape: rows the drafts project onto")
     ap.add_argument("--context", type=int, default=64, help="with --shape: each row's prompt length")
+    ap.add_argument("--policy", action="store_true",
+                    help="with --shape: also each round at the default server's depth (its costs timed here first)")
     ap.add_argument("--scaled-down", action="store_true", help="with --shape: its widths cut down (a smoke test)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.policy and args.shape is None:
+        ap.error("--policy needs --shape (its drafts are replayed to the profile the policy starts from)")
     if args.shape is None:
         run(args, load_checkpoint(args.model), args.model)
         return
@@ -127,28 +173,33 @@ def main() -> None:
 
 def replayed(lm, prompts, n, depth, profile, draft_vocab):
     """The rows' plain greedy references (BatchGenerator, n + depth tokens) and a maker of batches whose
-    drafts follow `profile` against them, over the draft vocabulary when `draft_vocab` is auto."""
+    drafts follow `profile` against them, over the draft vocabulary when `draft_vocab` is auto (its
+    DraftLMHead, else None, returned too)."""
     references, _ = plain_batching(lm, prompts, n + depth)
     head = None
     if draft_vocab == "auto":
         floor = draft_vocab_floor(lm.target.args.vocab_size)
         head = draft_head(lm, floor, [t for ref in references.values() for t in ref])
-    return lambda lm: ReplayedBatch(lm, references, profile, draft_head=head)
+    return (lambda lm: ReplayedBatch(lm, references, profile, draft_head=head)), head
 
 
 def run(args, lm, label, profile=None) -> None:
     items = SUITES["code"] + SUITES["reasoning"]
     n = args.max_tokens
     print(f"MLX {mx.__version__}, {mx.default_device()}, {label}, {n} greedy tokens per row")
-    results = {}
+    results, policy = {}, None
     for width in args.rows:
         if profile is None:
             prompts = [encode(lm.tokenizer, items[i % len(items)]) for i in range(width)]
             make = BatchSpeculator
         else:
             prompts = [random_prompt(args.context, seed=i) for i in range(width)]
-            make = replayed(lm, prompts, n, max(args.depths), profile, args.draft_vocab)
+            make, head = replayed(lm, prompts, n, MAX_DEPTH, profile, args.draft_vocab)
         methods = {f"batched depth {d}": (lambda d=d: batched_drafting(lm, prompts, n, d, make)) for d in args.depths}
+        picked = {}  # depth -> rounds the policy ran at it, over the repeats
+        if args.policy:
+            policy = policy or server_policy(lm, prompts[0], args.rows, profile, head)
+            methods["batched, the server's policy"] = lambda: policy_drafting(lm, prompts, n, policy, make, picked)
         methods["plain batched (mlx-lm BatchGenerator)"] = lambda: plain_batching(lm, prompts, n)
         if args.serial_depth and profile is None:
             methods[f"serial drafting depth {args.serial_depth}"] = lambda: serial_drafting(lm, prompts, n, args.serial_depth)
@@ -167,7 +218,8 @@ def run(args, lm, label, profile=None) -> None:
                 rates[name].append(tokens / seconds)
                 if decoding is not None:
                     decode[name].append((tokens - len(out)) / decoding)
-        plain = names[len(args.depths)]
+        plain = names.index("plain batched (mlx-lm BatchGenerator)")
+        plain = names[plain]
         results[width] = {}
         print(f"\nB = {width} ({sum(len(t) for t in reference.values())} tokens); "
               "all: prefill included, decode: after every row's first token")
@@ -183,6 +235,9 @@ def run(args, lm, label, profile=None) -> None:
                 results[width][name].update(decode_tok_s=decode[name], decode_median=dec, decode_vs_plain=dratio)
                 line += f"; decode {dec:8.1f} tok/s  x{dratio:.2f}"
             print(line)
+        if picked:
+            results[width]["policy_rounds_by_depth"] = picked
+            print(f"  the policy's rounds by depth: {dict(sorted(picked.items()))}")
     if args.json:
         record = {"command": " ".join(sys.argv), "label": label, "blas": detect().as_json(), "results": results}
         pathlib.Path(args.json).write_text(json.dumps(record, indent=1))

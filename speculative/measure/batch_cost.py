@@ -6,7 +6,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..batched import BatchSpeculator
+from ..batched import BatchSpeculator, Joiner
 from ..config import SamplingParams
 from ..draft_vocab.head import greedy_token
 from ..errors import DynoError
@@ -23,9 +23,10 @@ WIDTHS = (1, 2, 4, 8)  # batch widths measured; others are interpolated
 
 def measure_batch_costs(lm: LoadedModel, prompt: Sequence[int], widths: Sequence[int] = WIDTHS,
                         max_depth: int = MAX_DEPTH, reps: int = 5, burst: int = 1,
-                        draft_vocab: Optional[int] = None) -> BatchCosts:
-    """V(B, t) for t in 1..max_depth+1 and D(B), each B rows of `prompt` in a BatchSpeculator's caches,
-    then R(B, k), whole rounds run on those rows.
+                        draft_vocab: Optional[int] = None,
+                        make: Optional[Callable[[], BatchSpeculator]] = None) -> BatchCosts:
+    """V(B, t) for t in 1..max_depth+1 and D(B), each B rows of `prompt` in a BatchSpeculator's caches
+    (`make`'s, else one drafting over `draft_vocab`), then R(B, k), whole rounds run on those rows.
 
     Each builder queues one pass's graph and rewinds the caches, so every call sees the same context;
     the timing is cost_model's (round-robin bursts, medians).
@@ -33,9 +34,8 @@ def measure_batch_costs(lm: LoadedModel, prompt: Sequence[int], widths: Sequence
     builders = {}
     keep = []  # the batches stay alive while their builders are timed
     for width in widths:
-        batch = BatchSpeculator(lm, draft_vocab=draft_vocab)
-        for b in range(width):
-            batch.join(b, prompt, SamplingParams(max_tokens=1 << 20))
+        batch = make() if make is not None else BatchSpeculator(lm, draft_vocab=draft_vocab)
+        batch.join_all([Joiner(b, prompt, SamplingParams(max_tokens=1 << 20)) for b in range(width)])
         keep.append(batch)
         builders.update(_builders(batch, width, max_depth))
     t = interleaved(builders, reps, burst)

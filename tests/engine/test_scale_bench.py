@@ -94,7 +94,8 @@ def test_a_kept_checkpoint_is_reused(tmp_path):
 
 def test_batched_speed_at_a_shape_replays_drafts_and_times_the_decoding(tmp_path, monkeypatch, capsys):
     """tools/batched_speed.py --shape (scaled down): every method's tokens equal BatchGenerator's (the
-    tool asserts it), and the record has whole-run and decoding-phase rates for each."""
+    tool asserts it), the server's policy included, and the record has whole-run and decoding-phase
+    rates for each, and the depths the policy ran at."""
     import json
     import sys
 
@@ -102,12 +103,15 @@ def test_batched_speed_at_a_shape_replays_drafts_and_times_the_decoding(tmp_path
     out = tmp_path / "record.json"
     monkeypatch.setattr(sys, "argv", ["batched_speed.py", "--shape", "qwen3.5-0.8b", "--scaled-down", "--dtype",
                                       "float32", "--draft-vocab", "auto", "--rows", "2", "--depths", "0", "2",
-                                      "--max-tokens", "10", "--repeats", "1", "--context", "8", "--json", str(out)])
+                                      "--max-tokens", "10", "--repeats", "1", "--context", "8", "--policy", "--json", str(out)])
     tool.main()
     record = json.loads(out.read_text())
     assert record["blas"]["name"] and "qwen3.5-0.8b (float32" in record["label"]
     rows = record["results"]["2"]
-    assert set(rows) == {"batched depth 0", "batched depth 2", "plain batched (mlx-lm BatchGenerator)"}
+    picked = rows.pop("policy_rounds_by_depth")
+    assert set(rows) == {"batched depth 0", "batched depth 2", "batched, the server's policy",
+                         "plain batched (mlx-lm BatchGenerator)"}
+    assert sum(picked.values()) > 0 and all(0 <= int(k) <= 4 for k in picked)  # MAX_DEPTH
     for r in rows.values():
         assert r["median"] > 0 and r["decode_median"] > 0
     assert rows["plain batched (mlx-lm BatchGenerator)"]["decode_vs_plain"] == 1.0
