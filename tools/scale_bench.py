@@ -145,6 +145,11 @@ def print_table(record) -> None:
             print(f"{str(c['context']) + ('p' if c.get('padded') else ''):>7} {k:>5} {ms(cm['T1']):>6} {ms(cm['Tv'][k]):>6} {d['tv_over_t1']:>5.2f} "
                   f"{ms(cm['Td']):>6} {ms(cm['Td_draft_vocab']):>6} {d['tokens_per_round']:>7.2f} {d['bound']:>5.2f} "
                   f"{d['bound_draft_vocab']:>5.2f} {sp:>18} {eff:>5} {record['metal_attention'][k]:>10}")
+        estimate = c.get("auto_estimate")
+        if estimate is not None:
+            paired = {int(k): d["ratio"]["median"] for k, d in c["depths"].items() if d.get("ratio")}
+            fastest = f"; the pairs' fastest: depth {max(paired, key=paired.get)}" if paired else ""
+            print(f"{'':>7} --draft-depth auto's estimate (cost model, the profile's acceptance): depth {estimate}{fastest}")
         if "plain" in c:
             p = c["plain"]
             print(f"{'':>7} prefill: mlx-lm {p['prefill_s']['median']:.2f}s, Dyno " +

@@ -24,6 +24,7 @@ from ..stats import GenerationStats
 from .bench import run_dyno, run_mlx_lm, summarize
 from .cost_model import cost_model, speedup_bound
 from .replay import replayed_runner
+from .tuning import best_by_cost
 
 
 def draft_vocab_floor(vocab: int) -> int:
@@ -86,6 +87,10 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
     costs = cost_model(lm, prompt, depths, reps=reps, burst=1, other_projections={n: subset}, context=padded_to)
     costs["Td_draft_vocab"], costs["draft_vocab_tokens"] = costs.pop("Td_other")[n], n
     record["cost_model"] = costs
+    # The depth `--draft-depth auto` estimates without `dyno tune` (tuning.best_by_cost), for this
+    # acceptance and the projection the runs draft with.
+    drafting = {**costs, "Td": costs["Td_draft_vocab"]} if draft_vocab else costs
+    record["auto_estimate"] = best_by_cost(drafting, profile)
     say(f"cost model at {record['context']}: T1 {costs['T1'] * 1e3:.0f}ms Td {costs['Td'] * 1e3:.0f}ms")
     if not paired:
         for k in depths:

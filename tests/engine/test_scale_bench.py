@@ -1,5 +1,7 @@
 """The scale benchmark's pieces: the draft vocabulary floor, one context."""
 
+import re
+
 import pytest
 from helpers.tools import load_tool
 
@@ -25,6 +27,9 @@ def test_one_context_is_exact_and_bounded(tmp_path):
     cost_only = measure_context(lm, random_prompt(32), [1, 2], (0.9, 0.7), 24, 1, 1, paired=False, padded_to=300)
     assert cost_only["depths"][2]["tokens_per_round"] == pytest.approx(2.6) and "plain" not in cost_only
     assert cost_only["context"] == 300 and cost_only["padded"]
+    # auto's estimate: the shallowest depth within 5% of the best bound for the profile's acceptance
+    bounds = {k: d["bound"] for k, d in cost_only["depths"].items()}
+    assert cost_only["auto_estimate"] == min(k for k, b in bounds.items() if b >= 0.95 * max(bounds.values()))
 
 
 def test_padding_grows_every_attention_cache(tiny_lm):
@@ -67,6 +72,8 @@ def test_the_tool_builds_float32_and_names_its_blas(tmp_path, monkeypatch, capsy
     header = r.out.splitlines()[:2]
     assert "float32" in header[0] and "drafts over 300 tokens" in header[0]
     assert header[1] == f"BLAS: {blas['name']} ({blas['path']})"
+    assert re.search(r"auto's estimate \(cost model, the profile's acceptance\): depth [12]; the pairs' fastest: depth [12]$",
+                     r.out, re.M)
     (context,) = record["contexts"]
     assert context["draft_vocab"] == {"tokens": 300, "ids": "special tokens, the reference run's tokens, then the lowest ids"}
     assert context["cost_model"]["draft_vocab_tokens"] == 300
