@@ -207,19 +207,15 @@ class DraftingBatch:
         if not joiners:
             return
         try:
-            outs = self.batch.join_all(joiners)
-        except Exception as e:
-            if len(joiners) == 1:  # this request alone is refused; the batch goes on
-                log.exception("cannot add a request to the batch")
-                w.fail(jobs[joiners[0].row_id][0], failure(e))
-                return
-            log.exception("cannot prefill the joining requests together: each joins alone")
-            for job, nbytes in jobs.values():
-                self._join([(job, nbytes)])
+            outs = self.batch.join_all(joiners)  # (a shared prefill that fails is retried row by row there)
+        except Exception as e:  # refused before any prefill: these requests fail, the batch goes on
+            log.exception("cannot add requests to the batch")
+            for job, _ in jobs.values():
+                w.fail(job, failure(e))
             return
         for j in joiners:
             job, nbytes = jobs[j.row_id]
-            if outs[j.row_id].error is not None:  # its own processors raised at its first token
+            if outs[j.row_id].error is not None:  # its processors raised at its first token, or its prefill failed
                 w.fail(job, failure(outs[j.row_id].error))
                 continue
             self.active[j.row_id], self.bytes[j.row_id] = job, nbytes

@@ -39,6 +39,32 @@ class Prefilled(NamedTuple):
     checkpoints: List[Dict[int, Checkpoint]]  # row b's: resumed ones and those taken at its cuts
 
 
+# Joiners share a prefill while padding them to the longest costs at most this many times their
+# own tokens, or adds at most SLACK tokens (a short prompt's pass costs its fixed overhead anyway).
+WASTE = 2.0
+SLACK = 64
+
+
+def uncached(j: Joiner) -> int:
+    """The tokens a joiner's prefill feeds: its prompt after its resumed prefix."""
+    return len(j.prompt) - (len(j.resume) if j.resume is not None else 0)
+
+
+def prefill_groups(joiners: Sequence[Joiner]) -> List[List[Joiner]]:
+    """The joiners in groups to prefill together, shortest first: a long prompt is not padded onto
+    short ones (their rows would cost its length), and the short ones are not kept waiting behind it."""
+    groups: List[List[Joiner]] = []
+    for j in sorted(joiners, key=uncached):
+        group = groups[-1] + [j] if groups else None
+        if group is not None:
+            padded, real = uncached(j) * len(group), sum(uncached(x) for x in group)
+            if padded <= WASTE * real or padded - real <= SLACK:
+                groups[-1] = group
+                continue
+        groups.append([j])
+    return groups
+
+
 def row_state(trunk: List, b: int):
     """Row b's recurrent layers (prompt_cache.store.recurrent_state of a batch)."""
     return tuple(None if c.is_trimmable() else tuple(None if a is None else a[b : b + 1] for a in c.cache)

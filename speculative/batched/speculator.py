@@ -33,7 +33,7 @@ from ..rollback import GDNTape, restore, snapshot, tape_row
 from ..round.rounds import Rounds
 from ..round.row import Row
 from ..config import SamplingParams
-from .prefill import Joiner, prefill_together
+from .prefill import Joiner, prefill_groups, prefill_together
 from ..engine import PREFILL_STEP, LastPass, settled
 from ..errors import DynoError
 from ..events import Provenance, Round, Token
@@ -202,16 +202,37 @@ class BatchSpeculator(Rounds):
         return out
 
     def join_all(self, joiners: Sequence[Joiner]) -> Dict[Hashable, RowEvents]:
-        """Prefill the joiners' prompts together (prefill.py: each after its resumed prefix), then
-        add their rows to the batch; returns each one's first token. A row that ends at its first
-        token never joins; one whose processors raise there gets its error and never joins.
-        A joiner's `depth` pins its draft depth (0: it never drafts), whatever the rounds' depth is;
+        """Prefill the joiners' prompts together (prefill.py: each after its resumed prefix; a prompt
+        much longer than the others in a pass of its own), then add their rows to the batch; returns
+        each one's first token. A row that ends at its first token never joins; one whose
+        processors raise there, or whose prefill fails alone, gets its error (RowEvents.error) and
+        never joins. A joiner's resumed caches are copied, never changed.
+        Its `depth` pins its draft depth (0: it never drafts), whatever the rounds' depth is;
         `details`: its Rounds carry each draft's p, q and acceptance chance (the playground's viewer)."""
         ids = [j.row_id for j in joiners]
         if len(set(ids)) < len(ids) or any(i in self.ids for i in ids):
             raise DynoError(f"rows {ids!r} are already in the batch")
         if any(len(j.prompt) == 0 for j in joiners):
             raise DynoError("the prompt is empty")
+        self.prompt_hidden = {}
+        out = {}
+        for group in prefill_groups(joiners):
+            try:
+                out.update(self._join_group(group))
+            except Exception as e:  # (memory, say) the group's rows join one by one: no request is lost to it
+                if len(group) == 1:
+                    out[group[0].row_id] = RowEvents([], error=e)
+                    continue
+                log.exception("a shared prefill failed: its rows join one by one")
+                for j in group:
+                    try:
+                        out.update(self._join_group([j]))
+                    except Exception as alone:
+                        out[j.row_id] = RowEvents([], error=alone)
+        return out
+
+    def _join_group(self, joiners: Sequence[Joiner]) -> Dict[Hashable, RowEvents]:
+        """Prefill `joiners` in one padded pass and add those that go on to the batch."""
         self._delivered()  # (before the prefill: the tapes' memory is free for it)
         rows = []
         for j in joiners:
@@ -266,7 +287,6 @@ class BatchSpeculator(Rounds):
         else:
             self.trunk_cache, self.head_cache = trunk, head
             self.pending, self.head_hidden = firsts, head_hidden
-        self.prompt_hidden = {}
         for i, b in enumerate(staying):
             self.ids.append(joiners[b].row_id)
             self.rows.append(rows[b])
@@ -279,9 +299,10 @@ class BatchSpeculator(Rounds):
         r = joiner.resume
         if r is None:
             return as_batch(self.target.make_cache()), as_batch(self.head.make_cache())
+        trunk, head = as_batch(r.trunk_cache), as_batch(r.head_cache)  # copies: a retry starts from the same
         if r.hidden is not None:  # the head's row the entry left open: (t_at, h_{at-1})
-            self._head(mx.array(joiner.prompt[r.at : r.at + 1])[None], r.hidden, cache=r.head_cache)
-        return as_batch(r.trunk_cache), as_batch(r.head_cache)
+            self._head(mx.array(joiner.prompt[r.at : r.at + 1])[None], r.hidden, cache=head)
+        return trunk, head
 
     def _joiner_leaving(self, row: Row, trunk: List, head: List, hidden: mx.array, b: int) -> Leaving:
         """A joiner that ended at its first token: its own caches (the head's without the first

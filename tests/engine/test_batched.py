@@ -13,12 +13,13 @@ from helpers.reference import plain_greedy, plain_greedy_prefix
 from speculative import rollback
 from speculative.batched import speculator
 from speculative.batched import BatchSpeculator, Joiner
+from speculative.batched.prefill import prefill_groups
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
 from speculative.errors import DynoError
 from speculative.events import Provenance, Round, Token
 from speculative.loader import load_checkpoint
-from speculative.prompt_cache.store import PrefixCache
+from speculative.prompt_cache.store import PrefixCache, Resume
 from speculative.round.row import Row
 from speculative.stats import GenerationStats
 
@@ -537,3 +538,14 @@ def test_rows_joining_together_are_prefilled_together(bundled, monkeypatch):
         pairs = [(a, b) for x, y in zip(have.recurrent, want.recurrent) if x is not None for a, b in zip(x, y)]
         assert pairs and all(mx.array_equal(a, b).item() for a, b in pairs + [(have.hidden, want.hidden)]), at
     assert_resumes_exactly(lm, {"one": out["one"].left.settle(1)}, prompts, got)
+
+
+def test_a_long_prompt_is_not_padded_onto_short_ones():
+    """Joiners share a prefill while the padding stays small; a long prompt gets its own, after them."""
+    def joiner(name, n, resumed=0):
+        resume = Resume(resumed, []) if resumed else None
+        return Joiner(name, list(range(n)), SamplingParams(), resume)
+
+    joiners = [joiner("long", 3000), joiner("a", 40), joiner("b", 90), joiner("warm", 5000, resumed=4930),
+               joiner("c", 30), joiner("longer", 3900)]
+    assert [[j.row_id for j in g] for g in prefill_groups(joiners)] == [["c", "a", "warm", "b"], ["long", "longer"]]

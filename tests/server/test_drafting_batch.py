@@ -222,15 +222,15 @@ def test_a_prefill_that_fails_together_is_retried_row_by_row(batched, serial, mo
     """If the joiners' shared prefill raises (memory, say), each joins alone: no request is lost."""
     todo = {"a": ("def f(x):", 12), "b": ("class Point:\n", 9)}
     want = {name: completion(serial, *args)[:2] for name, args in todo.items()}
-    sizes, join_all = [], BatchSpeculator.join_all
+    sizes, join_group = [], BatchSpeculator._join_group
 
     def fails_together(self, joiners):
         sizes.append(len(joiners))
         if len(joiners) > 1:
             raise MemoryError("out of memory")
-        return join_all(self, joiners)
+        return join_group(self, joiners)
 
-    monkeypatch.setattr(BatchSpeculator, "join_all", fails_together)
+    monkeypatch.setattr(BatchSpeculator, "_join_group", fails_together)
     got = answered_together(batched, todo)
     assert got == want and sizes == [2, 1, 1]
 
