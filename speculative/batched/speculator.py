@@ -215,21 +215,18 @@ class BatchSpeculator(Rounds):
         if any(len(j.prompt) == 0 for j in joiners):
             raise DynoError("the prompt is empty")
         self.prompt_hidden = {}
-        out = {}
-        for group in prefill_groups(joiners):
-            try:
-                out.update(self._join_group(group))
-            except Exception as e:  # (memory, say) the group's rows join one by one: no request is lost to it
-                if len(group) == 1:
-                    out[group[0].row_id] = RowEvents([], error=e)
-                    continue
-                log.exception("a shared prefill failed: its rows join one by one")
-                for j in group:
-                    try:
-                        out.update(self._join_group([j]))
-                    except Exception as alone:
-                        out[j.row_id] = RowEvents([], error=alone)
-        return out
+        return {row_id: out for group in prefill_groups(joiners) for row_id, out in self._joined(group).items()}
+
+    def _joined(self, group: Sequence[Joiner]) -> Dict[Hashable, RowEvents]:
+        """The group joined together; if that fails (memory, say), row by row, a row that still fails
+        getting its error: no request is lost to another's."""
+        try:
+            return self._join_group(group)
+        except Exception as e:
+            if len(group) == 1:
+                return {group[0].row_id: RowEvents([], error=e)}
+            log.exception("a shared prefill failed: its rows join one by one")
+            return {row_id: out for j in group for row_id, out in self._joined([j]).items()}
 
     def _join_group(self, joiners: Sequence[Joiner]) -> Dict[Hashable, RowEvents]:
         """Prefill `joiners` in one padded pass and add those that go on to the batch."""
