@@ -194,7 +194,8 @@ def run(args, lm, label, profile=None) -> None:
             make = BatchSpeculator
         else:
             prompts = [random_prompt(args.context, seed=i) for i in range(width)]
-            make, head = replayed(lm, prompts, n, MAX_DEPTH, profile, args.draft_vocab)
+            deepest = max(args.depths + ([MAX_DEPTH] if args.policy else []))  # what a round may draft
+            make, head = replayed(lm, prompts, n, deepest, profile, args.draft_vocab)
         methods = {f"batched depth {d}": (lambda d=d: batched_drafting(lm, prompts, n, d, make)) for d in args.depths}
         picked = {}  # depth -> rounds the policy ran at it, over the repeats
         if args.policy:

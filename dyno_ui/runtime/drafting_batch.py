@@ -21,6 +21,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from speculative.batched import BatchSpeculator, Joiner, Leaving, RowEvents
+from speculative.batched.prefill import prefill_groups, sharing_waves
 from speculative.events import Round, Token
 from speculative.heads.health import gives_up, watch
 from speculative.round.depth_policy import RoundTimer
@@ -180,12 +181,25 @@ class DraftingBatch:
         return True
 
     def _join(self, joining) -> None:
-        """Prefill the jobs' prompts together, each after its cached prefix, and add their rows; send
-        their first tokens. A job that cannot join fails alone."""
+        """Prefill the jobs' prompts, each after its cached prefix, and add their rows, sending each its
+        first token: in waves (a prompt sharing a long prefix with another's waits for that one's
+        prompt state, kept in the prompt cache), each wave in groups of similar lengths prefilled
+        together, the shorter first (speculative/batched/prefill.py). A job that cannot join fails alone."""
         if not joining:
             return
-        w = self.worker
         self.timer.skip()  # the prefill is no round's time
+        cache = self.worker.prefix_cache
+        waves = (sharing_waves([job.prompt for job, _ in joining]) if cache is not None and cache.enabled
+                 else [list(range(len(joining)))])
+        for wave in waves:
+            joiners, jobs = self._joiners([joining[i] for i in wave])
+            for group in prefill_groups(joiners):  # each group's first tokens go out before the next prefills
+                self._add(group, jobs)
+
+    def _joiners(self, joining):
+        """The jobs as Joiners, each resuming from the prompt cache's longest prefix: (joiners, row id ->
+        (job, its bytes)); a job whose prefix cannot be taken fails here."""
+        w = self.worker
         joiners, jobs = [], {}
         for job, nbytes in joining:
             job.stats = GenerationStats(draft_depth=w.spec.draft_depth)
@@ -204,14 +218,18 @@ class DraftingBatch:
             joiners.append(Joiner(row, job.prompt, job.params, resume, cuts, depth=pinned_depth(job),
                                   details=job.spec is not None and job.spec.details))
             jobs[row] = job, nbytes
-        if not joiners:
-            return
+        return joiners, jobs
+
+    def _add(self, joiners, jobs) -> None:
+        """Prefill the joiners together and add their rows; keep each prompt's state, then send each
+        its first token."""
+        w = self.worker
         try:
             outs = self.batch.join_all(joiners)  # (a shared prefill that fails is retried row by row there)
         except Exception as e:  # refused before any prefill: these requests fail, the batch goes on
             log.exception("cannot add requests to the batch")
-            for job, _ in jobs.values():
-                w.fail(job, failure(e))
+            for j in joiners:
+                w.fail(jobs[j.row_id][0], failure(e))
             return
         for j in joiners:
             job, nbytes = jobs[j.row_id]

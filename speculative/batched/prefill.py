@@ -5,13 +5,19 @@ row's end), then the padding rolled to the left, where the batch's rounds expect
 
 A row resumed from the prompt cache starts from its own caches, merged left-padded beside the
 others. Chunks end at every row's cuts, where that row's recurrent state is checkpointed for the
-prompt cache, and are at most `step` columns long. The head runs one row behind the trunk, as in
-the single-row prefill (engine.Speculator.prefill): its row p pairs token p+1 with trunk hidden p.
+prompt cache, and hold at most `step` tokens in all (a lone prompt's chunk: the same peak memory).
+The head runs one row behind the trunk, as in the single-row prefill (engine.Speculator.prefill):
+its row p pairs token p+1 with trunk hidden p.
+
+Which rows share a pass: prompts of similar lengths (prefill_groups: a long one is not padded onto
+short ones), and not two sharing a long prefix (sharing_waves: the later one waits for the first's
+prompt state and resumes from it, as one after the other would).
 """
 
 from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..config import SamplingParams
 from ..prompt_cache.store import Checkpoint, Resume, owned
@@ -65,6 +71,27 @@ def prefill_groups(joiners: Sequence[Joiner]) -> List[List[Joiner]]:
     return groups
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
+
+
+def sharing_waves(prompts: Sequence[Sequence[int]], shared: int = SLACK) -> List[List[int]]:
+    """Indices of `prompts` in waves to prefill one after another: a prompt sharing more than `shared`
+    leading tokens with one in a wave (a system prompt, an agent's instructions) waits for a later
+    wave, and resumes from that one's prompt state, kept meanwhile, instead of computing it again."""
+    waves: List[List[int]] = []
+    for i, p in enumerate(prompts):
+        wave = next((w for w in waves if all(common_prefix(p, prompts[j]) <= shared for j in w)), None)
+        if wave is None:
+            waves.append([i])
+        else:
+            wave.append(i)
+    return waves
+
+
 def row_state(trunk: List, b: int):
     """Row b's recurrent layers (prompt_cache.store.recurrent_state of a batch)."""
     return tuple(None if c.is_trimmable() else tuple(None if a is None else a[b : b + 1] for a in c.cache)
@@ -98,7 +125,7 @@ def prefill_together(rounds, joiners: Sequence[Joiner], trunk: List, head: List,
     if padded:
         for c in trunk + head:
             c.prepare(lengths=lengths, right_padding=pad)
-    for s, e in chunks(width, cuts, step):
+    for s, e in chunks(width, cuts, max(1, step // len(joiners))):  # a chunk's tokens: a lone prompt's
         hidden = rounds.target.hidden(tokens[:, s:e], trunk)
         rounds._head(ahead[:, s:e], hidden, cache=head)  # row p = (t_{p+1}, h_p)
         mx.eval([c.state for c in trunk + head])

@@ -230,6 +230,9 @@ class BatchSpeculator(Rounds):
 
     def _join_group(self, joiners: Sequence[Joiner]) -> Dict[Hashable, RowEvents]:
         """Prefill `joiners` in one padded pass and add those that go on to the batch."""
+        # Resumed rows first: a fresh row's recurrent cache holds no arrays yet, and mlx-lm's
+        # ArraysCache.extend sizes the zeros it fills in by the arrays it has (else it counts 1 row).
+        joiners = sorted(joiners, key=lambda j: j.resume is None)
         self._delivered()  # (before the prefill: the tapes' memory is free for it)
         rows = []
         for j in joiners:

@@ -35,7 +35,10 @@ def measure_batch_costs(lm: LoadedModel, prompt: Sequence[int], widths: Sequence
     keep = []  # the batches stay alive while their builders are timed
     for width in widths:
         batch = make() if make is not None else BatchSpeculator(lm, draft_vocab=draft_vocab)
-        batch.join_all([Joiner(b, prompt, SamplingParams(max_tokens=1 << 20)) for b in range(width)])
+        joined = batch.join_all([Joiner(b, prompt, SamplingParams(max_tokens=1 << 20)) for b in range(width)])
+        if len(batch) < width:  # a row that failed or ended at once: the width would not be the one timed
+            why = next((out.error for out in joined.values() if out.error is not None), None)
+            raise DynoError(f"cannot time {width} rows of the timing prompt: {why or 'it ends at its first token'}")
         keep.append(batch)
         builders.update(_builders(batch, width, max_depth))
     t = interleaved(builders, reps, burst)

@@ -13,7 +13,7 @@ from helpers.reference import plain_greedy, plain_greedy_prefix
 from speculative import rollback
 from speculative.batched import speculator
 from speculative.batched import BatchSpeculator, Joiner
-from speculative.batched.prefill import prefill_groups
+from speculative.batched.prefill import prefill_groups, sharing_waves
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import Speculator, generate
 from speculative.errors import DynoError
@@ -480,10 +480,11 @@ def test_rows_stopped_inside_a_round_or_after_plain_rounds_keep_what_they_delive
 
 
 def test_rows_joining_together_are_prefilled_together(bundled, monkeypatch):
-    """Two cold rows and two resumed ones (with head rows, and without: a shifted head), each with its
-    own cuts, are prefilled in one padded pass: every row stays plain greedy, a cold row's checkpoints
-    are the single-row prefill's, a row ending at its first token settles to a state that resumes
-    exactly, and a row whose processors raise at its first token fails alone."""
+    """Cold rows and two resumed ones (with head rows, and without: a shifted head), each with its own
+    cuts, some cold ones shorter than the resumed ones' uncached tokens, are prefilled in one padded
+    pass: every row stays plain greedy, a cold row's checkpoints are the single-row prefill's, a row
+    ending at its first token settles to a state that resumes exactly, and a row whose processors
+    raise at its first token fails alone."""
     lm = bundled("dyno-tiny")
     cache = PrefixCache()
     warm = []
@@ -491,9 +492,10 @@ def test_rows_joining_together_are_prefilled_together(bundled, monkeypatch):
         first = lm.tokenizer.encode(text)
         done = list(generate(lm, first, SamplingParams(max_tokens=12), SpecConfig(mode, 3), prefix_cache=cache))
         warm.append(first + tokens(done) + lm.tokenizer.encode("\n# next\n"))
-    prompts = {"warm0": warm[0], "warm1": warm[1], "cold": lm.tokenizer.encode(PROMPTS[3]),
+    prompts = {"short0": lm.tokenizer.encode("x ="), "short1": lm.tokenizer.encode("def"),
+               "warm0": warm[0], "warm1": warm[1], "cold": lm.tokenizer.encode(PROMPTS[3]),
                "one": lm.tokenizer.encode(PROMPTS[2]), "raises": lm.tokenizer.encode(PROMPTS[0])}
-    limits = {"warm0": 30, "warm1": 30, "cold": 30, "one": 1, "raises": 13}
+    limits = {"short0": 20, "short1": 20, "warm0": 30, "warm1": 30, "cold": 30, "one": 1, "raises": 13}
     joiners = []
     for name, prompt in prompts.items():
         resume = cache.take(prompt, head_layers=len(lm.head.layers)) if name.startswith("warm") else None
@@ -501,7 +503,9 @@ def test_rows_joining_together_are_prefilled_together(bundled, monkeypatch):
         cuts = cache.plan(len(prompt), (5, 11), len(resume) if resume else 0)
         joiners.append(Joiner(name, prompt, SamplingParams(max_tokens=limits[name]), resume, cuts))
     cold = next(j for j in joiners if j.row_id == "cold")
-    assert len({len(j.prompt) - len(j.resume or ()) for j in joiners}) >= 4 and len(cold.cuts) >= 2  # padded
+    uncached = {j.row_id: len(j.prompt) - len(j.resume or ()) for j in joiners}
+    assert max(uncached["short0"], uncached["short1"]) < min(uncached["warm0"], uncached["warm1"])  # cold first
+    assert len(set(uncached.values())) >= 5 and len(cold.cuts) >= 2  # padded
 
     real_process, real_hidden, widths = Row.process, lm.target.hidden, []
 
@@ -518,7 +522,9 @@ def test_rows_joining_together_are_prefilled_together(bundled, monkeypatch):
     monkeypatch.setattr(lm.target, "hidden", hidden)
     batch = BatchSpeculator(lm)
     out = batch.join_all(joiners)
-    assert widths and set(widths) == {5}  # every prefill chunk and the last tokens' pass: all rows at once
+    groups = [{j.row_id for j in g} for g in prefill_groups(joiners)]
+    assert {"short0", "short1", "warm0", "warm1"} <= groups[0] and min(map(len, groups)) > 1
+    assert widths and set(widths) == {len(g) for g in groups}  # each prefill pass and last tokens' pass: a group at once
     assert isinstance(out["raises"].error, ValueError) and "raises" not in batch
     assert out["one"].finish == "length" and "one" not in batch
     got = {name: tokens(o.events) for name, o in out.items() if o.error is None}
@@ -527,7 +533,7 @@ def test_rows_joining_together_are_prefilled_together(bundled, monkeypatch):
     while batch:
         for name, o in batch.step(3).items():
             got[name] += tokens(o.events)
-    for name in ("warm0", "warm1", "cold", "one"):
+    for name in set(prompts) - {"raises"}:
         assert got[name] == plain_greedy_prefix(lm, prompts[name], limits[name]), name
 
     alone = Speculator(lm, SamplingParams(max_tokens=30), 3, 2048)
@@ -549,3 +555,10 @@ def test_a_long_prompt_is_not_padded_onto_short_ones():
     joiners = [joiner("long", 3000), joiner("a", 40), joiner("b", 90), joiner("warm", 5000, resumed=4930),
                joiner("c", 30), joiner("longer", 3900)]
     assert [[j.row_id for j in g] for g in prefill_groups(joiners)] == [["c", "a", "warm", "b"], ["long", "longer"]]
+
+
+def test_prompts_sharing_a_long_prefix_wait_for_each_other():
+    """More than 64 shared leading tokens: a later wave (it resumes from the first one's state)."""
+    system = list(range(100, 200))
+    prompts = [system + [1, 2], [7, 8, 9], system + [3], system[:50] + [4], [7, 8, 9, 10], system + [5]]
+    assert sharing_waves(prompts) == [[0, 1, 3, 4], [2], [5]]

@@ -186,25 +186,30 @@ def test_a_seeded_sampled_request_is_the_same_alone_and_in_a_batch(batched):
 
 
 def answered_together(server, todo):
-    """Each of `todo`'s completions (name -> (prompt, max_tokens)), queued while the engine thread is
-    held, so that they join the batch together: name -> (text, finish reason)."""
+    """Each of `todo`'s calls (name -> a function of the server), made while the engine thread is
+    held, so that their requests join the batch together: name -> its result."""
     worker, gate = server.served.worker, threading.Event()
     busy = worker.call(lambda: gate.wait(60))  # the engine thread holds here while the requests queue
     with ThreadPoolExecutor(len(todo)) as pool:
-        futures = {name: pool.submit(completion, server, *args) for name, args in todo.items()}
+        futures = {name: pool.submit(fn, server) for name, fn in todo.items()}
         deadline = time.monotonic() + 60
         while worker.jobs.qsize() < len(todo) and time.monotonic() < deadline:
             time.sleep(0.01)
         gate.set()
-        got = {name: f.result()[:2] for name, f in futures.items()}
+        got = {name: f.result() for name, f in futures.items()}
     assert busy.result() is True
     return got
+
+
+def completing(prompt, max_tokens):
+    """A completion request as a function of the server: (text, finish reason)."""
+    return lambda server: completion(server, prompt, max_tokens)[:2]
 
 
 def test_requests_that_wait_together_are_prefilled_together(batched, serial, monkeypatch):
     """Requests queued while the engine thread is busy join the batch in one prefill, prompts of
     different lengths padded together, and each gets the serial server's answer."""
-    todo = {"short": ("def f(x):", 20), "long": ("# " + "a comment line\n" * 8 + "def g(y):", 15),
+    todo = {"short": ("def f(x):", 20), "long": ("# " + "a comment line\n" * 4 + "def g(y):", 15),
             "odd": ("class Point:\n", 25)}
     want = {name: completion(serial, *args)[:2] for name, args in todo.items()}
     sizes, join_all = [], BatchSpeculator.join_all
@@ -214,8 +219,28 @@ def test_requests_that_wait_together_are_prefilled_together(batched, serial, mon
         return join_all(self, joiners)
 
     monkeypatch.setattr(BatchSpeculator, "join_all", counted)
-    got = answered_together(batched, todo)
+    got = answered_together(batched, {name: completing(*args) for name, args in todo.items()})
     assert got == want and sizes == [len(todo)]
+
+
+def test_requests_sharing_a_system_prompt_reuse_it_when_they_arrive_together(batched, serial):
+    """Chats queued together with one long system prompt: the first prefills it, the others wait for
+    its state in the prompt cache and resume there; every answer is the serial server's."""
+    system = "You review code. " + "Answer briefly and name the line you mean. " * 10
+
+    def chatting(question):
+        def call(server):
+            out = server.client.chat.completions.create(
+                model=MODEL_ID, max_tokens=12, temperature=0, extra_body=NO_THINKING,
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+            return out.choices[0].message.content, out.usage.prompt_tokens_details.cached_tokens
+        return call
+
+    todo = {name: chatting(question) for name, question in (("a", "Is x = 1 fine?"), ("b", "What does pass do?"))}
+    want = {name: call(serial)[0] for name, call in todo.items()}
+    got = answered_together(batched, todo)
+    assert {name: text for name, (text, _) in got.items()} == want
+    assert sorted(cached for _, cached in got.values())[-1] > 64  # the later one resumed after the system prompt
 
 
 def test_a_prefill_that_fails_together_is_retried_row_by_row(batched, serial, monkeypatch):
@@ -231,7 +256,7 @@ def test_a_prefill_that_fails_together_is_retried_row_by_row(batched, serial, mo
         return join_group(self, joiners)
 
     monkeypatch.setattr(BatchSpeculator, "_join_group", fails_together)
-    got = answered_together(batched, todo)
+    got = answered_together(batched, {name: completing(*args) for name, args in todo.items()})
     assert got == want and sizes == [2, 1, 1]
 
 
