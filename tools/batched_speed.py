@@ -53,23 +53,12 @@ from speculative.measure.scale import draft_head, draft_vocab_floor, random_prom
 from speculative.measure.suites import SUITES, encode  # noqa: E402
 
 
-def batched_drafting(lm, prompts, n, depth, make=BatchSpeculator):
+def batched_drafting(lm, prompts, n, policy, make=BatchSpeculator, depths=None):
     """Rows join together (one prefill, as the server's requests that arrive together), then rounds at
-    `depth` until every row is done; returns the tokens and when every row had its first one."""
-    batch = make(lm)
-    joined = batch.join_all([Joiner(i, p, SamplingParams(max_tokens=n)) for i, p in enumerate(prompts)])
-    out = {i: [e.id for e in r.events] for i, r in joined.items()}
-    decoding = time.perf_counter()
-    while batch:
-        for i, r in batch.step(depth).items():
-            out[i] += [e.id for e in r.events if isinstance(e, Token)]
-    return out, decoding
-
-
-def policy_drafting(lm, prompts, n, policy, make, depths):
-    """As batched_drafting, each round at the depth `policy` picks for the width (it records the
-    rounds' times and learns acceptance from them), as `dyno serve`'s default runs; counts each
-    depth's rounds into `depths`."""
+    the depth `policy` picks for the width (a pinned DepthPolicy: one depth; the server's: it records
+    the rounds' times and learns acceptance from them, as `dyno serve`'s default runs) until every row
+    is done; returns the tokens and when every row had its first one. Counts each depth's rounds into
+    `depths` when given."""
     batch = make(lm)
     joined = batch.join_all([Joiner(i, p, SamplingParams(max_tokens=n)) for i, p in enumerate(prompts)])
     out = {i: [e.id for e in r.events] for i, r in joined.items()}
@@ -77,7 +66,8 @@ def policy_drafting(lm, prompts, n, policy, make, depths):
     while batch:
         width = len(batch)
         k, then = policy.depth_for(width), policy.peek(width)
-        depths[k] = depths.get(k, 0) + 1
+        if depths is not None:
+            depths[k] = depths.get(k, 0) + 1
         timer.start(width, k, then)
         rounds = batch.step(k, then)
         policy.observe(e for r in rounds.values() for e in r.events)
@@ -196,11 +186,12 @@ def run(args, lm, label, profile=None) -> None:
             prompts = [random_prompt(args.context, seed=i) for i in range(width)]
             deepest = max(args.depths + ([MAX_DEPTH] if args.policy else []))  # what a round may draft
             make, head = replayed(lm, prompts, n, deepest, profile, args.draft_vocab)
-        methods = {f"batched depth {d}": (lambda d=d: batched_drafting(lm, prompts, n, d, make)) for d in args.depths}
+        methods = {f"batched depth {d}": (lambda d=d: batched_drafting(lm, prompts, n, DepthPolicy(None, [], pinned=d), make))
+                   for d in args.depths}
         picked = {}  # depth -> rounds the policy ran at it, over the repeats
         if args.policy:
             policy = policy or server_policy(lm, prompts[0], args.rows, profile, head)
-            methods["batched, the server's policy"] = lambda: policy_drafting(lm, prompts, n, policy, make, picked)
+            methods["batched, the server's policy"] = lambda: batched_drafting(lm, prompts, n, policy, make, picked)
         methods["plain batched (mlx-lm BatchGenerator)"] = lambda: plain_batching(lm, prompts, n)
         if args.serial_depth and profile is None:
             methods[f"serial drafting depth {args.serial_depth}"] = lambda: serial_drafting(lm, prompts, n, args.serial_depth)

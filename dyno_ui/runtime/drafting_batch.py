@@ -242,15 +242,15 @@ class DraftingBatch:
                 row = self.batch.rows[b]
                 if row.processors:
                     row.processors = GuardedProcessors(row.processors, job)
-                self._keep_prompt(job, b, row, self.batch.prompt_hidden[j.row_id])
+                self._keep_prompt(job, b, row)
         w.metrics.set_width(len(self.batch))
         for j in joiners:  # (after every joiner's prompt state is kept: a row ending here leaves the batch)
             if j.row_id in self.active:
                 self._deliver(j.row_id, outs[j.row_id])
 
-    def _keep_prompt(self, job, b: int, row, hidden) -> None:
-        """Keep the state after the prompt (row b of the batch now; `hidden`: the trunk's at the prompt's
-        last token) in the prompt cache, for later requests."""
+    def _keep_prompt(self, job, b: int, row) -> None:
+        """Keep the state after the prompt (row b of the batch, just joined) in the prompt cache, for
+        later requests."""
         cache = self.worker.prefix_cache
         if cache is None or not cache.enabled:
             return
@@ -266,7 +266,8 @@ class DraftingBatch:
                 for h in head:
                     h.trim(1)
                 entry.head_cache = [own_rows(h) for h in head]
-                entry.last_hidden = hidden
+                joined = self.batch.passes[b]  # its prefill's pass: the trunk's hidden at the prompt's end
+                entry.last_hidden = joined.hidden[joined.at : joined.at + 1]
             cache.put(entry)
         except Exception:  # the answer matters more than keeping its state
             log.exception("cannot keep a batched request's prompt state")

@@ -20,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import SamplingParams
-from ..prompt_cache.store import Checkpoint, Resume, owned
+from ..engine import segments
+from ..prompt_cache.store import Checkpoint, Resume, common_prefix, owned, recurrent_state
 
 PAD = 0  # the padding's token id: never seen by a real row (masked, then rolled out of reach)
 
@@ -51,9 +52,14 @@ WASTE = 2.0
 SLACK = 64
 
 
+def resumed_at(j: Joiner) -> int:
+    """How many of the joiner's prompt tokens its resumed caches already hold."""
+    return len(j.resume) if j.resume is not None else 0
+
+
 def uncached(j: Joiner) -> int:
     """The tokens a joiner's prefill feeds: its prompt after its resumed prefix."""
-    return len(j.prompt) - (len(j.resume) if j.resume is not None else 0)
+    return len(j.prompt) - resumed_at(j)
 
 
 def prefill_groups(joiners: Sequence[Joiner]) -> List[List[Joiner]]:
@@ -71,20 +77,14 @@ def prefill_groups(joiners: Sequence[Joiner]) -> List[List[Joiner]]:
     return groups
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differ[0]) if differ.size else n
-
-
 def sharing_waves(prompts: Sequence[Sequence[int]], shared: int = SLACK) -> List[List[int]]:
     """Indices of `prompts` in waves to prefill one after another: a prompt sharing more than `shared`
     leading tokens with one in a wave (a system prompt, an agent's instructions) waits for a later
     wave, and resumes from that one's prompt state, kept meanwhile, instead of computing it again."""
+    ids = [np.asarray(p) for p in prompts]
     waves: List[List[int]] = []
-    for i, p in enumerate(prompts):
-        wave = next((w for w in waves if all(common_prefix(p, prompts[j]) <= shared for j in w)), None)
+    for i, p in enumerate(ids):
+        wave = next((w for w in waves if all(common_prefix(p, ids[j]) <= shared for j in w)), None)
         if wave is None:
             waves.append([i])
         else:
@@ -93,26 +93,16 @@ def sharing_waves(prompts: Sequence[Sequence[int]], shared: int = SLACK) -> List
 
 
 def row_state(trunk: List, b: int):
-    """Row b's recurrent layers (prompt_cache.store.recurrent_state of a batch)."""
-    return tuple(None if c.is_trimmable() else tuple(None if a is None else a[b : b + 1] for a in c.cache)
-                 for c in trunk)
-
-
-def chunks(width: int, cuts: Sequence[Sequence[int]], step: int):
-    """Column ranges covering [0, width): ending at every row's cut, at most `step` long."""
-    s = 0
-    for end in sorted({c for row in cuts for c in row} | {width}):
-        while s < end:
-            e = min(s + step, end)
-            yield s, e
-            s = e
+    """Row b's recurrent layers (store.recurrent_state of a batch's caches)."""
+    return tuple(None if layer is None else tuple(None if a is None else a[b : b + 1] for a in layer)
+                 for layer in recurrent_state(trunk))
 
 
 def prefill_together(rounds, joiners: Sequence[Joiner], trunk: List, head: List, step: int) -> Prefilled:
     """Feed each joiner's prompt (after its resumed prefix) through `trunk` and `head`, batch caches
     whose row b is joiners[b] (its resumed prefix already in them), then each row's last token."""
-    starts = [len(j.resume) if j.resume is not None else 0 for j in joiners]
-    lengths = [len(j.prompt) - 1 - s for j, s in zip(joiners, starts)]  # fed before the last token
+    starts = [resumed_at(j) for j in joiners]
+    lengths = [uncached(j) - 1 for j in joiners]  # fed before the last token
     width = max(lengths)
     pad = [width - n for n in lengths]
     tokens = mx.array([list(j.prompt[s : s + n]) + [PAD] * p for j, s, n, p in zip(joiners, starts, lengths, pad)])
@@ -125,7 +115,8 @@ def prefill_together(rounds, joiners: Sequence[Joiner], trunk: List, head: List,
     if padded:
         for c in trunk + head:
             c.prepare(lengths=lengths, right_padding=pad)
-    for s, e in chunks(width, cuts, max(1, step // len(joiners))):  # a chunk's tokens: a lone prompt's
+    ends = sorted({c for row in cuts for c in row})  # every row's cuts end a chunk
+    for s, e in segments(0, width, ends, max(1, step // len(joiners))):  # a chunk's tokens: a lone prompt's
         hidden = rounds.target.hidden(tokens[:, s:e], trunk)
         rounds._head(ahead[:, s:e], hidden, cache=head)  # row p = (t_{p+1}, h_p)
         mx.eval([c.state for c in trunk + head])

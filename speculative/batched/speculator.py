@@ -182,7 +182,6 @@ class BatchSpeculator(Rounds):
         # per round ([B, 1] tokens, [B, 1, H] trunk hiddens), row b's pair = (token after position p, h_p).
         self.backlog: List[Tuple[mx.array, mx.array]] = []
         self.ahead: Optional[PlainPass] = None  # the next plain round's pass, queued by this one
-        self.prompt_hidden: Dict[Hashable, mx.array] = {}  # the latest joiners' trunk hiddens at their prompts' ends
         self.queued: Optional[QueuedDrafts] = None  # the next drafting round's drafts, queued by this one
         self.passes: List[RowPass] = []  # row b's latest trunk pass, to settle it by as it leaves
 
@@ -214,7 +213,6 @@ class BatchSpeculator(Rounds):
             raise DynoError(f"rows {ids!r} are already in the batch")
         if any(len(j.prompt) == 0 for j in joiners):
             raise DynoError("the prompt is empty")
-        self.prompt_hidden = {}
         return {row_id: out for group in prefill_groups(joiners) for row_id, out in self._joined(group).items()}
 
     def _joined(self, group: Sequence[Joiner]) -> Dict[Hashable, RowEvents]:
@@ -291,7 +289,6 @@ class BatchSpeculator(Rounds):
             self.ids.append(joiners[b].row_id)
             self.rows.append(rows[b])
             self.passes.append(RowPass(None, hidden, 1, i))  # its prefill: one token kept
-            self.prompt_hidden[joiners[b].row_id] = hidden[i : i + 1]
         return out
 
     def _starting_caches(self, joiner: Joiner) -> Tuple[List, List]:
