@@ -312,11 +312,11 @@ class Speculator(Rounds):
             self.trunk_cache, self.head_cache = resume.trunk_cache, resume.head_cache
             self.checkpoints = dict(resume.checkpoints)
             if resume.hidden is not None:
-                self._head(tokens[:, start : start + 1], resume.hidden)  # the row it left open
+                self._remember(tokens[:, start : start + 1], resume.hidden)  # the row it left open
         hidden = resume.hidden if resume is not None else None
         for s, e in segments(start, n - 1, cuts, self.prefill_step):
             hidden = self.target.hidden(tokens[:, s:e], self.trunk_cache, rows(s, e), self.rope)
-            self._head(tokens[:, s + 1 : e + 1], hidden, rows(s + 1, e + 1))  # row p = (t_{p+1}, h_p)
+            self._remember(tokens[:, s + 1 : e + 1], hidden, rows(s + 1, e + 1))  # row p = (t_{p+1}, h_p)
             mx.eval([c.state for c in self.trunk_cache + self.head_cache])
             self.memory.clear_cache()  # after each prefill chunk, as mlx-lm's generate_step
             if e in cuts:

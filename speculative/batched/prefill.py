@@ -118,7 +118,7 @@ def prefill_together(rounds, joiners: Sequence[Joiner], trunk: List, head: List,
     ends = sorted({c for row in cuts for c in row})  # every row's cuts end a chunk
     for s, e in segments(0, width, ends, max(1, step // len(joiners))):  # a chunk's tokens: a lone prompt's
         hidden = rounds.target.hidden(tokens[:, s:e], trunk)
-        rounds._head(ahead[:, s:e], hidden, cache=head)  # row p = (t_{p+1}, h_p)
+        rounds._remember(ahead[:, s:e], hidden, cache=head)  # row p = (t_{p+1}, h_p)
         mx.eval([c.state for c in trunk + head])
         rounds.memory.clear_cache()  # after each prefill chunk, as mlx-lm's generate_step
         for b, row_cuts in enumerate(cuts):

@@ -298,7 +298,7 @@ class BatchSpeculator(Rounds):
             return as_batch(self.target.make_cache()), as_batch(self.head.make_cache())
         trunk, head = as_batch(r.trunk_cache), as_batch(r.head_cache)  # copies: a retry starts from the same
         if r.hidden is not None:  # the head's row the entry left open: (t_at, h_{at-1})
-            self._head(mx.array(joiner.prompt[r.at : r.at + 1])[None], r.hidden, cache=head)
+            self._remember(mx.array(joiner.prompt[r.at : r.at + 1])[None], r.hidden, cache=head)
         return trunk, head
 
     def _joiner_leaving(self, row: Row, trunk: List, head: List, hidden: mx.array, b: int) -> Leaving:
@@ -357,7 +357,7 @@ class BatchSpeculator(Rounds):
         if any(h.offset + len(self.backlog) != len(row.prompt) + len(row.generated) - 1 for h in head):
             return None
         if self.backlog:
-            self._head(*self._owed(slice(b, b + 1)), cache=head)
+            self._remember(*self._owed(slice(b, b + 1)), cache=head)
         return head
 
     def _delivered(self) -> None:
@@ -368,7 +368,10 @@ class BatchSpeculator(Rounds):
     def _catch_up_head(self) -> None:
         """Run the head over the rows the depth-0 rounds deferred: every row owes the same count."""
         if self.backlog:
-            self.head_hidden = self._head(*self._owed())[:, -1:]
+            tokens, hidden = self._owed()
+            if tokens.shape[1] > 1:  # only the last row's output is read: it drafts next
+                self._remember(tokens[:, :-1], hidden[:, :-1])
+            self.head_hidden = self._head(tokens[:, -1:], hidden[:, -1:])
             mx.async_eval(self.head_hidden)
             self.backlog = []
 

@@ -12,8 +12,8 @@ costs grow with it, and at some width depth 0 (plain batched decoding) wins.
 The tuned V and D are timed apart from real rounds, on a machine whose speed drifts; a round also
 costs what they leave out (acceptance, rollback, the host sync). So the policy times the rounds it
 runs (RoundClock) and trusts those times over the tuned ones, which only say how depths it has not
-yet timed compare; every EXPLORE_EVERY rounds at a width it times a neighbouring depth, so a
-better depth is found and the estimates follow the machine.
+yet timed compare; every EXPLORE_EVERY rounds at a width it may time a neighbouring depth (a far
+one rarely: EXPLORE_BUDGET), so a better depth is found and the estimates follow the machine.
 """
 
 import statistics
@@ -41,17 +41,15 @@ WINDOW = 9
 # (deeper and shallower in turn); the middle one is timed.
 EXPLORE_EVERY = 24
 EXPLORE_RUN = 3
-# A neighbour whose timed rounds put it below FAR of the best depth's rate is timed only every
-# FAR_SPACING-th such turn: each of its rounds costs what it is estimated to lose, and a switch costs
-# more (the head's owed rows; scratch, 5 rows: 57 ms against a steady depth-1 round's 43). At 0.8,
-# depth 1 at 0.77 of plain's rate was timed on every turn: 0.875x of plain batching at 8 clients
-# (paired median of 12 waves, scratch), 0.997x at 0.9. Its estimate still follows acceptance and the
-# machine's speed in between, and comes back within FAR when those make it competitive. Until it has
-# FAR_EVIDENCE timed rounds it is timed on every turn: the tuned costs can be wrong, and so can one
-# round (scratch, one row: a first depth-1 round timed at 1.4x its steady time kept a whole wave at
-# depth 0).
-FAR = 0.9
-FAR_SPACING = 8
+# A neighbour's turn is not free: its rounds deliver at its rate, not the best depth's, and a switch
+# in and out costs about one more round (the head's owed rows, the work queued for the other depth).
+# Past its first FAR_EVIDENCE timed rounds (the tuned costs can be wrong, and so can one round:
+# scratch, one row, a first depth-1 round timed at 1.4x its steady time kept a whole wave at depth 0),
+# a neighbour is timed once the rounds at this width since its last turn put what its next turn is
+# expected to lose within EXPLORE_BUDGET of their time: a close neighbour every turn, a far one
+# rarely. With a fixed spacing a far depth 1 took 3-9 rounds of each 4-client wave at 3.3x a plain
+# round (bundled model, 4 rows: 48 ms against 14.6), about 4% of the engine's time (scratch, py-spy).
+EXPLORE_BUDGET = 0.01
 FAR_EVIDENCE = 3
 # The policy drafts at the shallowest depth within MARGIN of the best rate: a deeper round costs
 # what its timed rounds leave out (the switch into it, the head's owed rows after plain rounds), and
@@ -226,6 +224,7 @@ class DepthPolicy:
         self.clock = RoundClock(costs) if costs is not None else None
         self.rounds: Dict[int, int] = {}  # width -> rounds chosen at it (the exploration schedule)
         self.exploring: Dict[int, Optional[int]] = {}  # width -> the neighbour this turn times, if any
+        self.timed_turn: Dict[tuple, int] = {}  # (width, depth) -> the last turn that timed it
 
     @property
     def deepest(self) -> int:
@@ -264,6 +263,8 @@ class DepthPolicy:
         exploring = self.exploring.get(width)
         if phase == EXPLORE_EVERY - EXPLORE_RUN:  # a turn starts: which neighbour, if any
             exploring = self._neighbour(width, k, turn)
+            if commit and exploring is not None:
+                self.timed_turn[width, exploring] = turn
         if commit:
             self.rounds[width], self.exploring[width] = n, exploring
         if phase >= EXPLORE_EVERY - EXPLORE_RUN and exploring is not None:
@@ -272,7 +273,8 @@ class DepthPolicy:
 
     def _neighbour(self, width: int, best: int, turn: int) -> Optional[int]:
         """The depth to time on exploration turn `turn`: deeper and shallower than `best` in turn; none
-        when the neighbour's timed rounds put it far below `best`, but on every FAR_SPACING-th turn."""
+        while what its turn is expected to lose is more than EXPLORE_BUDGET of the time at this width
+        since its last turn."""
         step = 1 if turn % 2 else -1
         if not 0 <= best + step <= self.deepest:
             step = -step
@@ -282,9 +284,9 @@ class DepthPolicy:
         if len(self.clock.times.get((width, k), ())) < FAR_EVIDENCE:  # too few timed rounds to judge it
             return k
         rates = self.expected_rates(width)
-        if rates[k] < FAR * rates[best] and (turn // 2) % FAR_SPACING:
-            return None
-        return k
+        loss = (EXPLORE_RUN + 1) * self.clock.seconds(width, k) * max(0.0, 1.0 - rates[k] / rates[best])
+        since = (turn - self.timed_turn.get((width, k), 0)) * EXPLORE_EVERY * self.clock.seconds(width, best)
+        return k if loss <= EXPLORE_BUDGET * since else None
 
     def best_depth(self, width: int) -> int:
         """The shallowest depth within MARGIN of the most tokens per second for `width` rows."""

@@ -68,6 +68,12 @@ class Rounds:
         embeddings = self.target.embed(tokens) if embeddings is None else embeddings
         return self.head(embeddings, hidden, self.head_cache if cache is None else cache, rope=self.rope)
 
+    def _remember(self, tokens: mx.array, hidden: mx.array, embeddings: Optional[mx.array] = None,
+                  cache: Optional[List] = None) -> None:
+        """Head rows as `_head` makes them, for rows whose outputs nothing reads (MTPHead.remember)."""
+        embeddings = self.target.embed(tokens) if embeddings is None else embeddings
+        self.head.remember(embeddings, hidden, self.head_cache if cache is None else cache, rope=self.rope)
+
     def _trim_head(self, rows: int) -> None:
         """Cut the head's caches back to their first `rows` rows."""
         trim_to(self.head_cache, rows)
