@@ -233,6 +233,7 @@ def profile_depth(lm, prompts: List[List[int]], depth: int, params: SamplingPara
 
 def main() -> None:
     from speculative.loader import load_checkpoint
+    from speculative.measure.blas import detect
     from speculative.measure.suites import SUITES, encode
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -249,10 +250,13 @@ def main() -> None:
     prompts = [encode(lm.tokenizer, item) for item in SUITES[args.suite]]
     params = (SamplingParams(max_tokens=args.max_tokens) if args.temp == 0 else
               SamplingParams(temperature=args.temp, top_p=0.95, top_k=20, max_tokens=args.max_tokens, seed=0))
-    out = {"model": args.model, "suite": args.suite, "max_tokens": args.max_tokens, "temperature": args.temp,
-           "pairs": args.pairs, "device": str(mx.default_device()), "mlx": mx.__version__, "depths": []}
+    blas = detect()  # what float32 products go through: it decides which regime the figures are in
+    out = {"command": " ".join(["python", *sys.argv]), "model": args.model, "suite": args.suite,
+           "max_tokens": args.max_tokens, "temperature": args.temp, "pairs": args.pairs,
+           "device": str(mx.default_device()), "mlx": mx.__version__, "blas": blas.as_json(), "depths": []}
     print(f"{args.model}, suite {args.suite}, {args.max_tokens} tokens, T={args.temp}, {mx.default_device()}, "
           f"MLX {mx.__version__}")
+    print(blas.line())
     for k in args.depths:
         r = profile_depth(lm, prompts, k, params, args.pairs)
         out["depths"].append(r)
