@@ -15,6 +15,8 @@ padded with random rows (no prefill: minutes per thousand tokens on a slow CPU):
 decoding on Apple Silicon (docs/performance.md); the record and the table name the BLAS the run used.
 `--draft-vocab N|auto` drafts over N rows (auto: its floor, 1/8 of the vocabulary), the subset made by
 speculative/measure/scale.py's draft_subset (`--draft-ids first|seeded`) and labelled in the record.
+`--tune` also runs `dyno tune`'s procedure with the drafts replayed (a random head accepts nothing, so
+the command itself cannot be run on such a model) and prints the depth it picks.
 """
 
 import argparse
@@ -36,7 +38,7 @@ from speculative.measure import shapes
 from speculative.measure.blas import compute_bound_note, detect
 from speculative.measure.random_checkpoint import built, dtype_name, scaled_down
 from speculative.measure.replay import parse_profile
-from speculative.measure.scale import draft_vocab_floor, measure_context, random_prompt
+from speculative.measure.scale import draft_vocab_floor, measure_context, random_prompt, tune_replayed
 
 
 def main() -> int:
@@ -63,6 +65,10 @@ def main() -> int:
                     help="the shape with its widths cut down (random_checkpoint.scaled_down): a smoke test of the tool")
     ap.add_argument("--keep", metavar="DIR", help="with --bits 16: build the checkpoint in DIR and leave it there, or "
                     "reuse the one an earlier run left in DIR (remove it yourself: a 0.8B in float32 takes 3 GB)")
+    ap.add_argument("--tune", action="store_true",
+                    help="also run `dyno tune`'s procedure (its two prompts, paired at each of --depths, drafts "
+                         "replayed) and report the depth it picks beside the pairs' fastest")
+    ap.add_argument("--tune-pairs", type=int, default=3, help="its pairs per depth (dyno tune's default: 3)")
     ap.add_argument("--json", help="write the record here")
     args = ap.parse_args()
     # A stopped run (kill, timeout) exits through `built`'s cleanup: its checkpoint takes gigabytes.
@@ -115,6 +121,10 @@ def main() -> int:
             record["contexts"].append(measure_context(lm, random_prompt(args.pad_prompt), depths, profile, args.max_tokens,
                                                       args.pairs, args.reps, paired=False, padded_to=n, notify=say,
                                                       draft_vocab=draft_vocab, draft_ids=args.draft_ids))
+        if args.tune:
+            say("dyno tune's procedure")
+            record["tune"] = tune_replayed(lm, profile, args.max_tokens, args.tune_pairs, depths, draft_vocab,
+                                           args.draft_ids)
         del lm
     print_table(record)
     if (note := compute_bound_note(blas)) and args.dtype == "float32" and args.bits == 16:
@@ -157,6 +167,10 @@ def print_table(record) -> None:
                   f"; plain decode {p['decode_tps']['median']:.2f} tok/s, its step {p['step_over_t1']:.2f}x T1; "
                   "round / model calls: " + " ".join(f"{ms(d['round_s'])}/{ms(d['model_calls_s'])}ms@{k}"
                                                        for k, d in c["depths"].items()))
+    if "tune" in record:
+        t = record["tune"]
+        print(f"dyno tune's procedure ({t['prompts']} prompts, {t['max_tokens']} tokens, {t['pairs']} pairs, "
+              f"replayed): depth {t['pick']} (" + ", ".join(f"{k}: {v:.2f}x" for k, v in t["speedup"].items()) + ")")
 
 
 if __name__ == "__main__":

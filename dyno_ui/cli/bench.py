@@ -50,11 +50,9 @@ def add_commands(sub) -> None:
 
 
 def cmd_tune(args) -> int:
-    import statistics
-
     from speculative import load_model
-    from speculative.measure.bench import paired_benchmark
-    from speculative.config import SamplingParams, SpecConfig
+    from speculative.measure.bench import TUNE_DEPTHS, tune_depths
+    from speculative.config import SpecConfig
     from speculative.measure.batch_cost import measure_batch_costs
     from speculative.measure.tuning import store, tune_file
 
@@ -62,17 +60,9 @@ def cmd_tune(args) -> int:
     lm, spec = load_model(args.model or default_model(), mode="mtp", draft_depth=SpecConfig.draft_depth,
                           draft_vocab=args.draft_vocab, notify=notify)
     vocab = spec.draft_vocab
-    depths = [1, 2, 3, 4]
-    ratios = {k: [] for k in depths}
-    results = []
-    for item in SUITES["code"][:2]:
-        res = paired_benchmark(lm, encode(lm.tokenizer, item), SamplingParams(max_tokens=args.max_tokens), depths,
-                               pairs=args.pairs, with_off=False, draft_vocab=vocab)
-        results.append(res)
-        for k in depths:
-            ratios[k].append(res["settings"][f"mtp@{k}"]["ratio"]["median"])
-    speedup = {k: statistics.median(v) for k, v in ratios.items()}
-    best = max(speedup, key=speedup.get)
+    depths = list(TUNE_DEPTHS)
+    prompts = [encode(lm.tokenizer, item) for item in SUITES["code"][:2]]
+    best, speedup, results = tune_depths(lm, prompts, args.max_tokens, args.pairs, vocab)
     acceptance = GenerationStats()  # the deepest setting's rounds, pooled: the batched policy's prior
     for res in results:
         s = res["settings"][f"mtp@{max(depths)}"]

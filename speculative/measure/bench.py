@@ -9,7 +9,7 @@ The cost model these runs are held against is in cost_model.py.
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -91,10 +91,11 @@ class SettingResult:
 
 def paired_benchmark(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams, depths: Sequence[int],
                      pairs: int = 5, with_off: bool = True, auto_depth: Optional[int] = None,
-                     draft_vocab: Optional[int] = None) -> Dict[str, object]:
+                     draft_vocab: Optional[int] = None, runner=None) -> Dict[str, object]:
     """Alternate plain mlx-lm with each Dyno setting, `pairs` cycles after one warm-up cycle.
 
     `auto_depth`: also run the depth `--draft-depth auto` resolved to, as its own setting "auto".
+    `runner`: every Dyno run's (engine.generate's seam; a tool's replayed drafts).
     """
     settings = ([("off", SpecConfig("off"))] if with_off else []) + [
         (f"mtp@{k}", SpecConfig("mtp", k, draft_vocab)) for k in depths]
@@ -105,14 +106,14 @@ def paired_benchmark(lm: LoadedModel, prompt: Sequence[int], params: SamplingPar
     base_tps, base_ttft = [], []
     run_mlx_lm(lm, prompt, params)  # warm-up: compile, allocate, fill caches
     for name, spec in settings:
-        run_dyno(lm, prompt, params, spec)
+        run_dyno(lm, prompt, params, spec, runner=runner)
     totals = {name: GenerationStats() for name, _ in settings}  # rounds and acceptance over all pairs
     for _ in range(pairs):
         base = run_mlx_lm(lm, prompt, params)
         base_tps.append(base.decode_tps)
         base_ttft.append(base.ttft_s)
         for name, spec in settings:
-            run = run_dyno(lm, prompt, params, spec)
+            run = run_dyno(lm, prompt, params, spec, runner=runner)
             r = results[name]
             r.tps.append(run.decode_tps)
             r.ttft.append(run.ttft_s)
@@ -127,3 +128,25 @@ def paired_benchmark(lm: LoadedModel, prompt: Sequence[int], params: SamplingPar
         r.tokens_per_round, r.acceptance_by_position = t.tokens_per_round, t.acceptance_by_position()
     return {"plain": {"decode_tps": summarize(base_tps), "ttft": summarize(base_ttft)},
             "settings": {name: r.as_dict() for name, r in results.items()}}
+
+
+TUNE_DEPTHS = (1, 2, 3, 4)
+
+
+def tune_depths(lm: LoadedModel, prompts: Sequence[Sequence[int]], max_tokens: int, pairs: int,
+                draft_vocab: Optional[int] = None, depths: Sequence[int] = TUNE_DEPTHS,
+                runner_for=None) -> Tuple[int, Dict[int, float], List[dict]]:
+    """`dyno tune`'s choice: a paired benchmark of each depth on each prompt, the depth with the best
+    median speedup over the prompts; (that depth, {depth: speedup}, each prompt's paired_benchmark).
+    `runner_for(i)`: the runner for prompt i's Dyno runs (None: the engine's own)."""
+    ratios = {k: [] for k in depths}
+    results = []
+    for i, prompt in enumerate(prompts):
+        res = paired_benchmark(lm, prompt, SamplingParams(max_tokens=max_tokens), depths, pairs=pairs,
+                               with_off=False, draft_vocab=draft_vocab,
+                               runner=runner_for(i) if runner_for is not None else None)
+        results.append(res)
+        for k in depths:
+            ratios[k].append(res["settings"][f"mtp@{k}"]["ratio"]["median"])
+    speedup = {k: statistics.median(v) for k, v in ratios.items()}
+    return max(speedup, key=speedup.get), speedup, results

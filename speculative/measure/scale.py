@@ -21,7 +21,8 @@ from ..config import SamplingParams, SpecConfig
 from ..draft_vocab.head import AUTO_MIN_SHARE, AUTO_STEP, DraftLMHead, lm_head_module, ranked_ids
 from ..loader import LoadedModel
 from ..stats import GenerationStats
-from .bench import run_dyno, run_mlx_lm, summarize
+from .bench import TUNE_DEPTHS, run_dyno, run_mlx_lm, summarize, tune_depths
+from .suites import SUITES, encode
 from .cost_model import cost_model, speedup_bound
 from .replay import replayed_runner
 from .tuning import best_by_cost
@@ -132,6 +133,25 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
         entry["model_calls_s"] = costs["Tv"][k] + k * costs["Td_draft_vocab" if draft_vocab else "Td"]
         record["depths"][k] = entry
     return record
+
+
+def tune_replayed(lm: LoadedModel, profile: Sequence[float], max_tokens: int, pairs: int,
+                  depths: Sequence[int] = TUNE_DEPTHS, draft_vocab: Optional[int] = None,
+                  draft_ids: str = "first", seed: int = 0) -> Dict[str, object]:
+    """`dyno tune`'s procedure (bench.tune_depths: its prompts, the first two of the code suite, paired
+    at each depth) on a random model, each prompt's drafts replayed to `profile` against its plain greedy
+    reference, over `draft_vocab` rows as measure_context drafts; the depth it picks and its speedups."""
+    prompts = [encode(lm.tokenizer, item) for item in SUITES["code"][:2]]
+    references = [run_mlx_lm(lm, p, SamplingParams(max_tokens=max_tokens + max(depths))).tokens for p in prompts]
+    head = (draft_head(lm, draft_vocab, [t for r in references for t in r], draft_ids, seed)
+            if draft_vocab else None)
+    best, speedup, results = tune_depths(lm, prompts, max_tokens, pairs, None, depths,
+                                         runner_for=lambda i: replayed_runner(references[i], profile, seed, head))
+    if not all(s["identical"] for r in results for s in r["settings"].values()):
+        raise AssertionError("replayed drafting changed the greedy output")
+    return {"prompts": "the code suite's first two", "max_tokens": max_tokens, "pairs": pairs,
+            "depths": list(depths), "pick": best, "speedup": speedup,
+            "tokens_per_round": {k: [r["settings"][f"mtp@{k}"]["tokens_per_round"] for r in results] for k in depths}}
 
 
 def _bounds(costs: dict, k: int, tokens_per_round: float) -> dict:

@@ -82,6 +82,33 @@ def test_the_tool_builds_float32_and_names_its_blas(tmp_path, monkeypatch, capsy
     assert [p.name for p in tmp_path.iterdir()] == ["record.json"]  # the checkpoint is gone
 
 
+def test_the_tool_runs_dyno_tunes_procedure_with_replayed_drafts(tmp_path, monkeypatch, capsys):
+    """`--tune`: dyno tune's paired benchmark on its own prompts, the drafts replayed to the profile (a
+    random head would accept nothing), exact, and the depth it picks is its best median speedup."""
+    import json
+    import signal
+
+    tool = load_tool("scale_bench")
+    out = tmp_path / "record.json"
+    monkeypatch.setattr("sys.argv", ["scale_bench.py", "--shape", "qwen3.5-0.8b", "--scaled-down", "--dtype", "float32",
+                                     "--draft-vocab", "300", "--depths", "1,2", "--context", "16", "--max-tokens", "8",
+                                     "--pairs", "1", "--reps", "1", "--tune", "--tune-pairs", "1", "--root",
+                                     str(tmp_path), "--json", str(out)])
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert tool.main() == 0
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    t = json.loads(out.read_text())["tune"]
+    assert t["depths"] == [1, 2] and t["pairs"] == 1 and t["max_tokens"] == 8
+    speedup = {int(k): v for k, v in t["speedup"].items()}
+    assert t["pick"] == max(speedup, key=speedup.get)
+    # Replayed at 0.93/0.86: each depth's rounds keep drafts (a random head's would keep almost none).
+    assert all(n > 1.5 for n in t["tokens_per_round"]["2"]) and all(n > 1.3 for n in t["tokens_per_round"]["1"])
+    assert re.search(rf"^dyno tune's procedure \(the code suite's first two prompts, 8 tokens, 1 pairs, replayed\): "
+                     rf"depth {t['pick']} \(1: [0-9.]+x, 2: [0-9.]+x\)$", capsys.readouterr().out, re.M)
+
+
 def test_a_kept_checkpoint_is_reused(tmp_path):
     import json
 
