@@ -47,8 +47,9 @@ EXPLORE_RUN = 3
 # scratch, one row, a first depth-1 round timed at 1.4x its steady time kept a whole wave at depth 0),
 # a neighbour is timed once the rounds at this width since its last turn put what its next turn is
 # expected to lose within EXPLORE_BUDGET of their time: a close neighbour every turn, a far one
-# rarely. With a fixed spacing a far depth 1 took 3-9 rounds of each 4-client wave at 3.3x a plain
-# round (bundled model, 4 rows: 48 ms against 14.6), about 4% of the engine's time (scratch, py-spy).
+# rarely. With a fixed spacing (every eighth turn below 0.9 of the best rate) a far depth 1 took 3-9
+# rounds of each 4-client wave at 3.3x a plain round (bundled model, 4 rows: 48 ms against 14.6), its
+# verify passes 3.3% of the engine thread's time (scratch, py-spy).
 EXPLORE_BUDGET = 0.01
 FAR_EVIDENCE = 3
 # The policy drafts at the shallowest depth within MARGIN of the best rate: a deeper round costs
