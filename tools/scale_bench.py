@@ -73,6 +73,8 @@ def main() -> int:
     args = ap.parse_args()
     # A stopped run (kill, timeout) exits through `built`'s cleanup: its checkpoint takes gigabytes.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.tune_pairs < 1:
+        ap.error(f"--tune-pairs must be at least 1: {args.tune_pairs}")
     depths = [int(d) for d in args.depths.split(",")]
     profile = parse_profile(args.acceptance)
     if len(profile) < max(depths):

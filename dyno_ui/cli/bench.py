@@ -51,7 +51,7 @@ def add_commands(sub) -> None:
 
 def cmd_tune(args) -> int:
     from speculative import load_model
-    from speculative.measure.bench import TUNE_DEPTHS, tune_depths
+    from speculative.measure.bench import TUNE_DEPTHS, tune_depths, tune_prompts
     from speculative.config import SpecConfig
     from speculative.measure.batch_cost import measure_batch_costs
     from speculative.measure.tuning import store, tune_file
@@ -61,13 +61,13 @@ def cmd_tune(args) -> int:
                           draft_vocab=args.draft_vocab, notify=notify)
     vocab = spec.draft_vocab
     depths = list(TUNE_DEPTHS)
-    prompts = [encode(lm.tokenizer, item) for item in SUITES["code"][:2]]
+    prompts = tune_prompts(lm.tokenizer)
     best, speedup, results = tune_depths(lm, prompts, args.max_tokens, args.pairs, vocab)
     acceptance = GenerationStats()  # the deepest setting's rounds, pooled: the batched policy's prior
     for res in results:
         s = res["settings"][f"mtp@{max(depths)}"]
         acceptance.merge(GenerationStats.from_counts(s["rounds"], s["accepted_per_position"], s["drafted_per_position"]))
-    costs = measure_batch_costs(lm, encode(lm.tokenizer, SUITES["code"][0]), reps=7, draft_vocab=vocab)
+    costs = measure_batch_costs(lm, prompts[0], reps=7, draft_vocab=vocab)
     store(lm, best, {"source": "measured", "speedup": speedup, "acceptance": acceptance.acceptance_by_position(),
                      "batch_costs": costs.as_json()}, vocab)
     for k in depths:

@@ -64,14 +64,16 @@ class MTPHead(nn.Module):
 
         `rope` (target.MRoPE, a prompt with images) puts its rows at the trunk's M-RoPE positions.
         """
-        x = mx.concatenate(
-            [self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1
-        )  # embedding first, as the checkpoints were trained
-        x = self.fc(x)
+        x = self._fused(embeddings, hidden)
         mask = create_attention_mask(x, cache[0])
         for layer, c in zip(self.layers, cache):
             x = layer(x, mask, c) if rope is None else rope.layer(layer, x, mask, c)
         return self.norm(x)
+
+    def _fused(self, embeddings: mx.array, hidden: mx.array) -> mx.array:
+        """The first layer's input: fc over the normed embeddings and hiddens."""
+        return self.fc(mx.concatenate(  # embedding first, as the checkpoints were trained
+            [self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1))
 
     def remember(self, embeddings: mx.array, hidden: mx.array, cache: List[KVCache], rope=None) -> None:
         """Head rows whose outputs nothing reads (a prompt's, those plain rounds owe): into `cache`
@@ -81,8 +83,7 @@ class MTPHead(nn.Module):
         if rope is not None:  # M-RoPE turns queries and keys together (target.MRoPE): the whole pass
             self(embeddings, hidden, cache, rope)
             return
-        x = self.fc(mx.concatenate(
-            [self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1))
+        x = self._fused(embeddings, hidden)
         mask = create_attention_mask(x, cache[0])
         for layer, c in zip(self.layers[:-1], cache):
             x = layer(x, mask, c)

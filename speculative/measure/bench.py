@@ -19,6 +19,7 @@ from ..engine import generate
 from ..loader import LoadedModel
 from ..round.sampling import plain_sampler
 from ..stats import GenerationStats
+from .suites import SUITES, encode
 
 
 @dataclass
@@ -131,6 +132,11 @@ def paired_benchmark(lm: LoadedModel, prompt: Sequence[int], params: SamplingPar
 
 
 TUNE_DEPTHS = (1, 2, 3, 4)
+
+
+def tune_prompts(tokenizer) -> List[List[int]]:
+    """The prompts `dyno tune` pairs on: the code suite's first two."""
+    return [encode(tokenizer, item) for item in SUITES["code"][:2]]
 
 
 def tune_depths(lm: LoadedModel, prompts: Sequence[Sequence[int]], max_tokens: int, pairs: int,

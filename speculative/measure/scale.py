@@ -21,8 +21,7 @@ from ..config import SamplingParams, SpecConfig
 from ..draft_vocab.head import AUTO_MIN_SHARE, AUTO_STEP, DraftLMHead, lm_head_module, ranked_ids
 from ..loader import LoadedModel
 from ..stats import GenerationStats
-from .bench import TUNE_DEPTHS, run_dyno, run_mlx_lm, summarize, tune_depths
-from .suites import SUITES, encode
+from .bench import TUNE_DEPTHS, run_dyno, run_mlx_lm, summarize, tune_depths, tune_prompts
 from .cost_model import cost_model, speedup_bound
 from .replay import replayed_runner
 from .tuning import best_by_cost
@@ -141,7 +140,7 @@ def tune_replayed(lm: LoadedModel, profile: Sequence[float], max_tokens: int, pa
     """`dyno tune`'s procedure (bench.tune_depths: its prompts, the first two of the code suite, paired
     at each depth) on a random model, each prompt's drafts replayed to `profile` against its plain greedy
     reference, over `draft_vocab` rows as measure_context drafts; the depth it picks and its speedups."""
-    prompts = [encode(lm.tokenizer, item) for item in SUITES["code"][:2]]
+    prompts = tune_prompts(lm.tokenizer)
     references = [run_mlx_lm(lm, p, SamplingParams(max_tokens=max_tokens + max(depths))).tokens for p in prompts]
     head = (draft_head(lm, draft_vocab, [t for r in references for t in r], draft_ids, seed)
             if draft_vocab else None)

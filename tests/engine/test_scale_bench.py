@@ -109,6 +109,15 @@ def test_the_tool_runs_dyno_tunes_procedure_with_replayed_drafts(tmp_path, monke
                      rf"depth {t['pick']} \(1: [0-9.]+x, 2: [0-9.]+x\)$", capsys.readouterr().out, re.M)
 
 
+def test_tune_pairs_below_one_are_refused(monkeypatch, capsys):
+    tool = load_tool("scale_bench")
+    monkeypatch.setattr("sys.argv", ["scale_bench.py", "--shape", "qwen3.5-0.8b", "--tune", "--tune-pairs", "0"])
+    with pytest.raises(SystemExit) as e:
+        tool.main()
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "scale_bench.py: error: --tune-pairs must be at least 1: 0"
+
+
 def test_a_kept_checkpoint_is_reused(tmp_path):
     import json
 
