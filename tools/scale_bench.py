@@ -58,6 +58,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--reps", type=int, default=7, help="cost-model rounds")
+    ap.add_argument("--pair-reps", type=int, default=3,
+                    help="cost-model rounds timed again after each pair, for each pair's efficiency (0: none)")
     ap.add_argument("--padded", default="", help="contexts (comma-separated) timed by the cost model only, the "
                     "attention caches padded with random rows to that length after a short prompt (no prefill)")
     ap.add_argument("--root", help="where the temporary checkpoint goes (default: the system's temp dir)")
@@ -75,6 +77,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.tune_pairs < 1:
         ap.error(f"--tune-pairs must be at least 1: {args.tune_pairs}")
+    if args.pair_reps < 0:
+        ap.error(f"--pair-reps must be 0 or more: {args.pair_reps}")
     depths = [int(d) for d in args.depths.split(",")]
     profile = parse_profile(args.acceptance)
     if len(profile) < max(depths):
@@ -117,7 +121,7 @@ def main() -> int:
             say(f"context {n}")
             record["contexts"].append(measure_context(lm, random_prompt(n), depths, profile, args.max_tokens,
                                                       args.pairs, args.reps, notify=say, draft_vocab=draft_vocab,
-                                                      draft_ids=args.draft_ids))
+                                                      draft_ids=args.draft_ids, pair_reps=args.pair_reps))
         for n in padded:
             say(f"context {n}, padded")
             record["contexts"].append(measure_context(lm, random_prompt(args.pad_prompt), depths, profile, args.max_tokens,
@@ -169,6 +173,11 @@ def print_table(record) -> None:
                   f"; plain decode {p['decode_tps']['median']:.2f} tok/s, its step {p['step_over_t1']:.2f}x T1; "
                   "round / model calls: " + " ".join(f"{ms(d['round_s'])}/{ms(d['model_calls_s'])}ms@{k}"
                                                        for k, d in c["depths"].items()))
+            if "paired_step_over_t1" in p:  # the model calls timed again after each pair
+                fmt = lambda r: f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"  # noqa: E731
+                print(f"{'':>7} beside each pair: plain's step {fmt(p['paired_step_over_t1'])}x T1; " +
+                      "; ".join(f"depth {k}: efficiency {fmt(d['paired']['efficiency'])}, round / calls "
+                                f"{fmt(d['paired']['round_over_calls'])}" for k, d in c["depths"].items()))
     if "tune" in record:
         t = record["tune"]
         print(f"dyno tune's procedure ({t['prompts']} prompts, {t['max_tokens']} tokens, {t['pairs']} pairs, "

@@ -38,13 +38,13 @@ def per_call(build, burst: int) -> float:
     return (queued(build, 2 * burst) - queued(build, burst)) / burst
 
 
-def interleaved(builds: Dict[object, object], reps: int, burst: int = 2) -> Dict[object, float]:
+def interleaved(builds: Dict[object, object], reps: int, burst: int = 2, warmup: int = 2) -> Dict[object, float]:
     """Median seconds per call of each graph builder, timed round-robin.
 
     This machine's speed drifts by tens of percent within seconds; timing one function's reps
     in a block and the next one's later would put that drift into their ratios (the bound).
     """
-    for _ in range(2):  # warm-up: graph compile and allocation
+    for _ in range(warmup):  # graph compile and allocation
         for build in builds.values():
             queued(build, 1)
     samples = {name: [] for name in builds}
@@ -94,6 +94,13 @@ def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], re
     `context`: every attention cache (trunk and head) padded to that many rows after the prompt
     (pad_attention), for long contexts without their prefill.
     """
+    return cost_timer(lm, prompt, depths, draft_vocab, other_projections, context)(reps, burst)
+
+
+def cost_timer(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], draft_vocab: Optional[int] = None,
+               other_projections: Optional[Dict[str, object]] = None, context: Optional[int] = None):
+    """cost_model's calls built once on their own caches: a function of (reps, burst, warmup) that times
+    them again, so a benchmark can time the model calls beside each of its runs."""
     target, head = lm.target, lm.head
     draft_projection = draft_lm_head(lm, draft_vocab)  # what the draft step multiplies by
     trunk = target.make_cache()
@@ -118,12 +125,16 @@ def cost_model(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], re
         return draft_call(target, head, head_cache, last, g, projection)
 
     others = {("Td", name): draft(p) for name, p in (other_projections or {}).items()}
-    verify = {k: verify_call(target, trunk, last, k) for k in depths}
-    t = interleaved({"T1": step, "Td": draft(draft_projection), **verify, **others}, reps, burst)
-    costs = {"T1": t["T1"], "Tv": {k: t[k] for k in depths}, "Td": t["Td"]}
-    if others:
-        costs["Td_other"] = {name: t[("Td", name)] for name in other_projections}
-    return costs
+    builds = {"T1": step, "Td": draft(draft_projection), **{k: verify_call(target, trunk, last, k) for k in depths},
+              **others}
+
+    def time_calls(reps: int, burst: int = 2, warmup: int = 2) -> Dict[str, object]:
+        t = interleaved(builds, reps, burst, warmup)
+        costs = {"T1": t["T1"], "Tv": {k: t[k] for k in depths}, "Td": t["Td"]}
+        if others:
+            costs["Td_other"] = {name: t[("Td", name)] for name in other_projections}
+        return costs
+    return time_calls
 
 
 def pad_attention(caches, length: int, seed: int = 0) -> None:

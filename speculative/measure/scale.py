@@ -22,7 +22,7 @@ from ..draft_vocab.head import AUTO_MIN_SHARE, AUTO_STEP, DraftLMHead, lm_head_m
 from ..loader import LoadedModel
 from ..stats import GenerationStats
 from .bench import TUNE_DEPTHS, run_dyno, run_mlx_lm, summarize, tune_depths, tune_prompts
-from .cost_model import cost_model, speedup_bound
+from .cost_model import cost_timer, speedup_bound
 from .replay import replayed_runner
 from .tuning import best_by_cost
 
@@ -62,13 +62,17 @@ def subset_label(ids: str, seed: int = 0) -> str:
 def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int], profile: Sequence[float],
                     max_tokens: int, pairs: int, reps: int, seed: int = 0, paired: bool = True,
                     padded_to: Optional[int] = None, notify=None, draft_vocab: Optional[int] = None,
-                    draft_ids: str = "first") -> Dict[str, object]:
+                    draft_ids: str = "first", pair_reps: int = 3) -> Dict[str, object]:
     """The record for one context: reference, cost model, and (when `paired`) the paired runs.
 
     `padded_to` (cost model only, not paired): the attention caches grown to that many rows after
     `prompt` (cost_model.pad_attention), a long context without its prefill. `draft_vocab` N: the
     runs draft over N rows (draft_subset, `draft_ids` its way of filling up), and the cost model's
     subset is that one; None: over the whole vocabulary, the subset timed being auto's floor.
+
+    After each pair the model calls are timed again (`pair_reps` rounds): each pair's efficiency is
+    its speedup against the bound of the calls timed beside it, so the machine's drift over the
+    minutes of a run lands on both sides of that ratio alike ("paired" in the record).
     """
     say = notify or (lambda _m: None)
     params = SamplingParams(max_tokens=max_tokens)
@@ -84,8 +88,13 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
     subset = draft_head(lm, n, first, draft_ids, seed)
     record["draft_vocab"] = ({"tokens": n, "ids": subset_label(draft_ids, seed)} if draft_vocab else
                              {"tokens": None, "ids": "the whole vocabulary"})
-    costs = cost_model(lm, prompt, depths, reps=reps, burst=1, other_projections={n: subset}, context=padded_to)
-    costs["Td_draft_vocab"], costs["draft_vocab_tokens"] = costs.pop("Td_other")[n], n
+    timer = cost_timer(lm, prompt, depths, other_projections={n: subset}, context=padded_to)
+
+    def time_calls(reps, warmup=2):
+        costs = timer(reps, burst=1, warmup=warmup)
+        costs["Td_draft_vocab"], costs["draft_vocab_tokens"] = costs.pop("Td_other")[n], n
+        return costs
+    costs = time_calls(reps)
     record["cost_model"] = costs
     # The depth `--draft-depth auto` estimates without `dyno tune` (tuning.best_by_cost), for this
     # acceptance and the projection the runs draft with.
@@ -100,7 +109,7 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
     runner = replayed_runner(reference.tokens, profile, seed, head)
     for k in depths:  # warm-up: allocation and the first pass at each width
         run_dyno(lm, prompt, SamplingParams(max_tokens=4), SpecConfig("mtp", k, None), runner=runner)
-    plain, runs = [], {k: [] for k in depths}
+    plain, runs, beside = [], {k: [] for k in depths}, []
     for i in range(pairs):
         plain.append(run_mlx_lm(lm, prompt, params))
         for k in depths:
@@ -111,6 +120,8 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
                 raise AssertionError(f"depth {k}: replayed drafting changed the greedy output")
             runs[k].append(run)
             say(f"pair {i + 1}: depth {k} {run.decode_tps / plain[-1].decode_tps:.2f}x")
+        if pair_reps:
+            beside.append(time_calls(pair_reps, warmup=0))
     record["plain"] = {"decode_tps": summarize([r.decode_tps for r in plain]),
                        "prefill_s": summarize([r.ttft_s for r in plain])}
     # Plain mlx-lm's own step against T1: the bound assumes they are equal.
@@ -130,8 +141,26 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
         # calls the bound counts, Tv(k) + k*Td, timed apart from the runs.
         entry["round_s"] = total.tokens_per_round / entry["decode_tps"]["median"]
         entry["model_calls_s"] = costs["Tv"][k] + k * costs["Td_draft_vocab" if draft_vocab else "Td"]
+        if beside:
+            entry["paired"] = _paired(runs[k], plain, beside, k, "Td_draft_vocab" if draft_vocab else "Td")
         record["depths"][k] = entry
+    if beside:
+        record["plain"]["paired_step_over_t1"] = summarize([1 / p.decode_tps / c["T1"] for p, c in zip(plain, beside)])
+        record["pair_reps"], record["cost_model_beside_pairs"] = pair_reps, beside
     return record
+
+
+def _paired(runs, plain, beside, k: int, td: str) -> Dict[str, object]:
+    """Each pair's run against the model calls timed right after it: its efficiency (its speedup over
+    the bound of those calls at its own tokens per round) and its round over Tv(k) + k*Td."""
+    pairs = []
+    for run, p, c in zip(runs, plain, beside):
+        e, ratio = run.stats.tokens_per_round, run.decode_tps / p.decode_tps
+        pairs.append({"ratio": ratio, "tokens_per_round": e,
+                      "efficiency": ratio / speedup_bound(e, c["T1"], c["Tv"][k], c[td], k),
+                      "round_over_calls": e / run.decode_tps / (c["Tv"][k] + k * c[td])})
+    return {"efficiency": summarize([q["efficiency"] for q in pairs]),
+            "round_over_calls": summarize([q["round_over_calls"] for q in pairs]), "pairs": pairs}
 
 
 def tune_replayed(lm: LoadedModel, profile: Sequence[float], max_tokens: int, pairs: int,

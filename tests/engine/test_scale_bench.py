@@ -18,11 +18,20 @@ def test_draft_vocab_floor_is_autos():
 def test_one_context_is_exact_and_bounded(tmp_path):
     config = scaled_down(shapes.load("qwen3.5-0.8b")["text_config"])
     lm = load_checkpoint(write_checkpoint(tmp_path, config, seed=1), mode="mtp")
-    record = measure_context(lm, random_prompt(32), [1, 2], (0.9, 0.7), max_tokens=24, pairs=1, reps=1)
+    record = measure_context(lm, random_prompt(32), [1, 2], (0.9, 0.7), max_tokens=24, pairs=2, reps=1, pair_reps=1)
+    beside = record["cost_model_beside_pairs"]
+    assert len(beside) == 2 and record["pair_reps"] == 1
     for k in (1, 2):
         d = record["depths"][k]
         assert d["identical"] and d["bound"] > 0 and d["efficiency"] > 0
         assert d["tokens_per_round"] == pytest.approx(1 + sum(d["acceptance_by_position"]))
+        # each pair against the calls timed after it: its ratio over their bound at its own tokens per round
+        pairs = d["paired"]["pairs"]
+        assert [q["ratio"] for q in pairs] == d["ratios"]
+        for q, c in zip(pairs, beside):
+            calls = c["Tv"][k] + k * c["Td"]
+            assert q["efficiency"] == pytest.approx(q["ratio"] * calls / c["T1"] / q["tokens_per_round"])
+            assert 0 < q["round_over_calls"] and q["efficiency"] > 0
     assert set(record["cost_model"]) >= {"T1", "Tv", "Td", "Td_draft_vocab"}
     cost_only = measure_context(lm, random_prompt(32), [1, 2], (0.9, 0.7), 24, 1, 1, paired=False, padded_to=300)
     assert cost_only["depths"][2]["tokens_per_round"] == pytest.approx(2.6) and "plain" not in cost_only
@@ -79,6 +88,12 @@ def test_the_tool_builds_float32_and_names_its_blas(tmp_path, monkeypatch, capsy
     assert context["cost_model"]["draft_vocab_tokens"] == 300
     d = context["depths"]["2"]
     assert d["efficiency"] == pytest.approx(d["ratio"]["median"] / d["bound_draft_vocab"])
+    # each pair's efficiency against the calls timed beside it (--pair-reps, 3 by default), over the subset
+    (c,) = context["cost_model_beside_pairs"]
+    (q,) = d["paired"]["pairs"]
+    calls = c["Tv"]["2"] + 2 * c["Td_draft_vocab"]
+    assert q["efficiency"] == pytest.approx(q["ratio"] * calls / c["T1"] / q["tokens_per_round"])
+    assert re.search(r"beside each pair: plain's step [\d.]+ \([\d.]+-[\d.]+\)x T1; depth 1: efficiency ", r.out)
     assert [p.name for p in tmp_path.iterdir()] == ["record.json"]  # the checkpoint is gone
 
 
