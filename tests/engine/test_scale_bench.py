@@ -174,3 +174,18 @@ def test_batched_speed_at_a_shape_replays_drafts_and_times_the_decoding(tmp_path
         assert r["median"] > 0 and r["decode_median"] > 0
     assert rows["plain batched (mlx-lm BatchGenerator)"]["decode_vs_plain"] == 1.0
     assert "decode" in capsys.readouterr().out
+
+
+def test_blas_rows_times_products_by_rows_and_names_its_blas(monkeypatch, capsys):
+    """tools/blas_rows.py: one line naming the BLAS, then each shape's products by row count against one row."""
+    tool = load_tool("blas_rows")
+    monkeypatch.setattr("sys.argv", ["blas_rows.py", "--rows", "1,3", "--reps", "1", "--calls", "1"])
+    assert tool.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("BLAS: ") and len(lines) == 1 + len(tool.SHAPES)
+    for line, (k, n) in zip(lines[1:], tool.SHAPES):
+        assert re.fullmatch(rf"\[rows, {k}\] x \[{k}, {n}\]: 1 rows [\d.]+ ms \(1\.00x\)  3 rows [\d.]+ ms \([\d.]+x\)", line)
+    monkeypatch.setattr("sys.argv", ["blas_rows.py", "--rows", "0"])
+    with pytest.raises(SystemExit) as e:
+        tool.main()
+    assert e.value.code == 2 and "--rows, --reps and --calls must be positive" in capsys.readouterr().err
