@@ -23,7 +23,7 @@ import mlx.core as mx
 import pytest
 
 from helpers import tiny_models
-from helpers.run import LAUNCH, free_ports
+from helpers.run import LAUNCH, free_ports, idle_stdin
 from helpers.tools import load_tool
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
@@ -96,7 +96,8 @@ def launched(models, tmp_path_factory):
     cmd = [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "--starting-port",
            str(free_ports()), sys.executable, str(RANK), "--plan", str(plan_file(tmp, cases)), "--out", str(out),
            "--init-timeout", "30"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    with idle_stdin() as stdin:
+        proc = subprocess.run(cmd, cwd=ROOT, stdin=stdin, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["size"] == 2

@@ -15,7 +15,7 @@ import pytest
 
 from dyno_ui.paths import BUNDLED_MODEL
 from helpers.reference import plain_greedy
-from helpers.run import LAUNCH, ROOT, free_ports
+from helpers.run import LAUNCH, ROOT, free_ports, idle_stdin
 from helpers.serving import detokenize
 from speculative.loader import load_checkpoint
 
@@ -29,17 +29,18 @@ def group():
     cmd = [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "--starting-port",
            str(free_ports(2)), sys.executable, "-m", "dyno_ui", "serve", "--distributed", "pipeline", "--port", "0",
            "--draft-depth", "2"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    line = proc.stdout.readline()
-    m = re.match(r"^dyno: serving dyno-tiny at (http://127\.0\.0\.1:\d+)/v1 \(MTP drafting, depth 2, pipeline "
-                 r"across 2 ranks\)$", line)
-    if not m:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(line + proc.stderr.read())
-    yield proc, m.group(1)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    with idle_stdin() as stdin:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        line = proc.stdout.readline()
+        m = re.match(r"^dyno: serving dyno-tiny at (http://127\.0\.0\.1:\d+)/v1 \(MTP drafting, depth 2, pipeline "
+                     r"across 2 ranks\)$", line)
+        if not m:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(line + proc.stderr.read())
+        yield proc, m.group(1)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_split_server_answers_greedy_and_halts_every_rank_on_a_stop(group):
