@@ -126,6 +126,7 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
                        "prefill_s": summarize([r.ttft_s for r in plain])}
     # Plain mlx-lm's own step against T1: the bound assumes they are equal.
     record["plain"]["step_over_t1"] = 1 / record["plain"]["decode_tps"]["median"] / costs["T1"]
+    td = "Td_draft_vocab" if draft_vocab else "Td"  # the draft step the runs took
     for k in depths:
         total = GenerationStats()
         for r in runs[k]:
@@ -140,9 +141,9 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
         # Where the time goes: a round as decoded (tokens per round / decode rate) against the model
         # calls the bound counts, Tv(k) + k*Td, timed apart from the runs.
         entry["round_s"] = total.tokens_per_round / entry["decode_tps"]["median"]
-        entry["model_calls_s"] = costs["Tv"][k] + k * costs["Td_draft_vocab" if draft_vocab else "Td"]
+        entry["model_calls_s"] = costs["Tv"][k] + k * costs[td]
         if beside:
-            entry["paired"] = _paired(runs[k], plain, beside, k, "Td_draft_vocab" if draft_vocab else "Td")
+            entry["paired"] = _paired(runs[k], plain, beside, k, td)
         record["depths"][k] = entry
     if beside:
         record["plain"]["paired_step_over_t1"] = summarize([1 / p.decode_tps / c["T1"] for p, c in zip(plain, beside)])

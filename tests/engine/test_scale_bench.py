@@ -189,3 +189,7 @@ def test_blas_rows_times_products_by_rows_and_names_its_blas(monkeypatch, capsys
     with pytest.raises(SystemExit) as e:
         tool.main()
     assert e.value.code == 2 and "--rows, --reps and --calls must be positive" in capsys.readouterr().err
+    monkeypatch.setattr("sys.argv", ["blas_rows.py", "--rows", "1,x"])
+    with pytest.raises(SystemExit) as e:
+        tool.main()
+    assert e.value.code == 2 and "--rows takes row counts separated by commas, e.g. 1,2,4: '1,x'" in capsys.readouterr().err
