@@ -37,7 +37,6 @@ import subprocess
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -345,9 +344,6 @@ def order_for(prompt: Sequence[int], params: SamplingParams, spec: SpecConfig, p
                  rng_seed=random.getrandbits(32) if params.seed is None else None)
 
 
-def runner_for(order: Order):
-    """engine.generate's runner for `order`: the default one, its random draws from the order's seed."""
-    return partial(engine.default_runner, rng_seed=order.rng_seed)
 
 
 def _settle() -> None:
@@ -384,7 +380,7 @@ def _run(lm: LoadedModel, order: Order) -> Iterator:
     """The order's events on this rank, under the group's deadline; ends quietly on rank 0's halt."""
     ranks = lm.ranks
     events = engine.generate(lm, list(order.prompt), order.params, order.spec, prefill_step=order.prefill_step,
-                             runner=runner_for(order))
+                             rng_seed=order.rng_seed)
     with ranks.guarded(_prefill_allowance(ranks, order)):
         try:
             yield from events

@@ -190,12 +190,13 @@ class MRoPE:
         self.prompt = prompt  # [3, n] int32
         self.delta = int(delta)  # rope_delta: max prompt position + 1 - n (negative for an image)
 
-    def positions(self, start: int, length: int) -> mx.array:
-        """[3, 1, length] positions of the cache rows start .. start + length - 1."""
+    def positions(self, start, length: int) -> mx.array:
+        """[3, B, length] positions of the cache rows start .. start + length - 1; `start` an int (B = 1)
+        or a batch cache's [B] offsets (mlx-lm's BatchKVCache, a row's offset its own position)."""
         n = self.prompt.shape[-1]
-        idx = mx.arange(start, start + length)
-        inside = mx.take(self.prompt, mx.minimum(idx, n - 1), axis=1)
-        return mx.where(idx < n, inside, idx + self.delta)[:, None, :].astype(mx.int32)
+        idx = mx.array(start).reshape(-1, 1) + mx.arange(length)[None]  # [B, length]
+        inside = mx.take(self.prompt, mx.minimum(idx, n - 1), axis=1)  # [3, B, length]
+        return mx.where(idx < n, inside, idx + self.delta).astype(mx.int32)
 
     def attention(self, attn, x: mx.array, mask, cache) -> mx.array:
         """mlx-lm's Qwen3-Next gated attention op for op, with M-RoPE at these positions for its RoPE."""

@@ -1,5 +1,5 @@
 """Aggregate tokens per second of B greedy requests at once: batched drafting against plain batching
-(mlx-lm's BatchGenerator) and against serial single-row drafting.
+(mlx-lm's BatchGenerator) and against serial drafting (one request at a time).
 
     python tools/batched_speed.py [--model assets/dyno-tiny] [--rows 1 2 4] [--depths 1 2 3]
                                   [--max-tokens 128] [--repeats 5] [--serial-depth 3] [--json FILE]
@@ -47,7 +47,8 @@ from speculative.measure import shapes  # noqa: E402
 from speculative.measure.blas import detect  # noqa: E402
 from speculative.measure.random_checkpoint import built, scaled_down  # noqa: E402
 from speculative.measure.batch_cost import measure_batch_costs  # noqa: E402
-from speculative.measure.replay import ReplayedBatch, drafting_over, parse_profile  # noqa: E402
+from speculative.measure.replay import ReplayedBatch, parse_profile  # noqa: E402
+from speculative.round.drafter import HeadDrafter  # noqa: E402
 from speculative.round.depth_policy import MAX_DEPTH, DepthPolicy, RoundTimer  # noqa: E402
 from speculative.measure.scale import draft_head, draft_vocab_floor, random_prompt  # noqa: E402
 from speculative.measure.suites import SUITES, encode  # noqa: E402
@@ -82,8 +83,9 @@ def server_policy(lm, prompt, widths, profile, head):
     (measure_batch_costs, what a first `dyno serve` start does), the profile as the acceptance
     `dyno tune` would have stored."""
     def make():
-        batch = BatchSpeculator(lm)
-        drafting_over(batch, head)
+        batch = BatchSpeculator(lm, drafter=HeadDrafter(head))
+        if head is not None:  # the draft step timed for the policy (D(B)) reads the batch's own projection
+            batch.draft_lm_head = head
         return batch
 
     started = time.perf_counter()
@@ -111,8 +113,8 @@ def plain_batching(lm, prompts, n):
 
 
 def serial_drafting(lm, prompts, n, depth):
-    """One request after another through the single-row speculator (`--decode-concurrency 1`); its
-    decoding phase is not one span, so none is given."""
+    """One request after another through engine.generate (the driver at width 1, `--decode-concurrency 1`);
+    its decoding phase is not one span, so none is given."""
     return {i: [e.id for e in generate(lm, p, SamplingParams(max_tokens=n), SpecConfig("mtp", depth))
                 if isinstance(e, Token)] for i, p in enumerate(prompts)}, None
 

@@ -9,7 +9,8 @@ decode (first to last token); reported: the median of the paired ratios on/off o
 with their min-max, and whether every pair emitted the same tokens (it must: details change nothing).
 
 On a shared CPU whole runs drift by tens of percent; `--per-round` pairs finer: one generation per
-prompt switches details on and off every other round, times each round (Speculator.step), and
+prompt switches details on and off every other round (its drafter, Alternating, sets the row's
+details as it drafts each round), times each round (from its drafts to the next round's), and
 reports the ratio of the median round time on/off, which is the tokens-per-second cost (the tokens
 per round do not change).
 """
@@ -25,9 +26,10 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
-from speculative.engine import Speculator, generate  # noqa: E402
+from speculative.engine import generate  # noqa: E402
 from speculative.events import Token  # noqa: E402
 from speculative.loader import load_checkpoint  # noqa: E402
+from speculative.round.drafter import HeadDrafter  # noqa: E402
 
 PROMPTS = ['def read_lines(path):\n    """Return the lines of the file at path."""\n',
            "import os\n\n\ndef walk_files(root):\n", "class Stack:\n    def __init__(self):\n"]
@@ -43,31 +45,37 @@ def run(lm, prompt, params, depth, details):
     return ids, (len(times) - 1) / (times[-1] - times[0])
 
 
-class Alternating(Speculator):
-    """Details on every other round; each round's step timed, by setting."""
+class Alternating(HeadDrafter):
+    """The MTP head's drafts, with details on for every other round; each round timed, by setting.
 
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
+    A round runs from its drafts (asked for at the end of the round before) to the next round's, so
+    its details are switched as its drafts are asked for, before it verifies."""
+
+    def __init__(self):
+        super().__init__()
         self.times = {False: [], True: []}
+        self._open = None  # (the round's start, its setting)
 
-    def step(self):
-        self.details = len(self.times[False]) > len(self.times[True])
-        start = time.perf_counter()
-        out = super().step()
-        self.times[self.details].append(time.perf_counter() - start)
-        return out
+    def propose(self, rounds, budgets):
+        now = time.perf_counter()
+        if self._open is not None:
+            start, details = self._open
+            self.times[details].append(now - start)
+        details = len(self.times[False]) > len(self.times[True])
+        rounds.rows[0].details = details  # read by the round's verify (Rounds.verify_round)
+        self._open = (now, details)
+        return super().propose(rounds, budgets)
 
 
 def per_round(lm, params, depth, prompts, repeats: int) -> None:
     times = {False: [], True: []}
     for n in range(repeats):
         for prompt in prompts:
-            runner = Alternating(lm, params, depth, 2048)
-            for _ in generate(lm, lm.tokenizer.encode(prompt), params, SpecConfig("mtp", depth),
-                              runner=lambda *a: runner):
+            drafter = Alternating()
+            for _ in generate(lm, lm.tokenizer.encode(prompt), params, SpecConfig("mtp", depth), drafter=drafter):
                 pass
             for k in times:
-                times[k] += runner.times[k]
+                times[k] += drafter.times[k]
     off, on = statistics.median(times[False]), statistics.median(times[True])
     print(f"median round: off {off * 1e3:.3f} ms ({len(times[False])} rounds), on {on * 1e3:.3f} ms "
           f"({len(times[True])} rounds); details on/off tokens per second: {off / on:.3f}")

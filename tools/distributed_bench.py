@@ -8,9 +8,9 @@ Run every rank with mlx.launch, e.g. two ranks on this machine:
 Protocol (as speculative/measure/bench.py): one warm-up cycle, then `--pairs` cycles alternating plain
 mlx-lm (its sharded_load + generate_step) with each Dyno setting, greedy; each Dyno run is compared
 with the plain run of its cycle; medians with min-max; decode speed excludes the prefill.
-Settings: `mtp@k` is Dyno as shipped (the head on every rank); `one-rank@k` runs the head on rank 0
-only and sends its drafts to the other ranks, one more collective per round (the alternative the
-design rejected). Also measured: the cost model on the split model (T1 includes the hops) and the
+Settings: `mtp@k` is Dyno as shipped (the head on every rank); `one-rank@k` drafts on rank 0 only
+(a drafter, OneRankHead) and sends its drafts to the other ranks, one more collective per round (the
+alternative the design rejected). Also measured: the cost model on the split model (T1 includes the hops) and the
 latency of one small collective here. `project` adds a real link's latency per hop to the measured
 step and round times, labelled as a projection. Rank 0 prints a summary and writes the JSON.
 """
@@ -32,34 +32,33 @@ from mlx_lm.utils import sharded_load  # noqa: E402
 from speculative import distributed  # noqa: E402
 from speculative.config import SamplingParams  # noqa: E402
 from speculative.measure.cost_model import cost_model  # noqa: E402
-from speculative.engine import Speculator  # noqa: E402
+from speculative.config import SpecConfig  # noqa: E402
+from speculative.engine import DraftedRun  # noqa: E402
 from speculative.events import Token  # noqa: E402
+from speculative.round.drafter import Drafts, HeadDrafter  # noqa: E402
 from speculative.stats import GenerationStats  # noqa: E402
 
 PROMPT = ('import os\nimport sys\n\n\ndef list_files(root, suffix=".py"):\n'
           '    """Return the paths under root that end with suffix, sorted."""\n')
 
 
-class OneRankHead(Speculator):
-    """The head on rank 0 only: the other ranks receive its drafts (an all_sum) before verifying."""
+class OneRankHead(HeadDrafter):
+    """The drafts made on rank 0 only: the other ranks receive them (an all_sum) before verifying.
+    Greedy rows only (no draft distribution is sent). The head's rows after each round still run on
+    every rank: the driver keeps each rank's head cache, which settling a request reads."""
 
-    def __init__(self, lm, *args, **kw):
-        self.ranks = lm.ranks
-        super().__init__(lm, *args, **kw)
+    def __init__(self, ranks):
+        super().__init__()
+        self.ranks = ranks
 
-    def _head(self, tokens, hidden, embeddings=None):
+    def propose(self, rounds, budgets):
+        k = max(budgets)
         if self.ranks.rank == 0:
-            return super()._head(tokens, hidden, embeddings)
-        # No head here, but the hidden it would read must still be evaluated now: rank 0 evaluates
-        # it (through the head) in every prefill chunk, and the pipeline's all_gather inside it is
-        # a collective every rank must enter in the same order.
-        mx.eval(hidden)
-        return hidden  # never read: these ranks do not draft
-
-    def draft(self, k):
-        ranks = self.ranks
-        drafts = super().draft(k)[0] if ranks.rank == 0 else mx.zeros((k,), mx.uint32)
-        return mx.distributed.all_sum(drafts.astype(mx.int32), group=ranks.group).astype(mx.uint32), None
+            drafts = super().propose(rounds, budgets).tokens
+        else:
+            drafts = mx.zeros((len(budgets), k), mx.uint32)
+        tokens = mx.distributed.all_sum(drafts.astype(mx.int32), group=self.ranks.group).astype(mx.uint32)
+        return Drafts(tokens, [None] * len(budgets), list(budgets))
 
 
 def _tps(times):
@@ -76,10 +75,12 @@ def plain_run(model, prompt, n):
     return tokens, _tps(times)
 
 
-def dyno_run(cls, lm, prompt, n, depth):
-    """Greedy Dyno on every rank in lockstep: (tokens, decode tok/s, its GenerationStats)."""
+def dyno_run(drafter, lm, prompt, n, depth):
+    """Greedy Dyno on every rank in lockstep, drafting by `drafter(lm)` (None: the head on every
+    rank): (tokens, decode tok/s, its GenerationStats)."""
     stats, times = GenerationStats(), []
-    steps = cls(lm, SamplingParams(max_tokens=n), depth, 2048).run(prompt)
+    made = drafter(lm) if drafter is not None else None
+    steps = DraftedRun(lm, SamplingParams(max_tokens=n), SpecConfig("mtp", depth), 2048, made).run(prompt)
     for e in steps:
         stats.add(e)
         if isinstance(e, Token):
@@ -145,18 +146,18 @@ def main() -> int:
     plain_model, _ = sharded_load(args.model, **split)
     prompt = lm.tokenizer.encode(PROMPT)
     n = args.max_tokens
-    settings = {f"mtp@{k}": (Speculator, k) for k in args.depths}
-    settings.update({f"one-rank@{k}": (OneRankHead, k) for k in args.depths})
+    settings = {f"mtp@{k}": (None, k) for k in args.depths}
+    settings.update({f"one-rank@{k}": (lambda lm: OneRankHead(lm.ranks), k) for k in args.depths})
 
     plain_run(plain_model, prompt, n)  # warm-up
-    for cls, k in settings.values():
-        dyno_run(cls, lm, prompt, n, k)
+    for drafter, k in settings.values():
+        dyno_run(drafter, lm, prompt, n, k)
     base, runs = [], {name: {"tps": [], "ratio": [], "stats": GenerationStats(), "identical": True} for name in settings}
     for _ in range(args.pairs):
         ref, tps = plain_run(plain_model, prompt, n)
         base.append(tps)
-        for name, (cls, k) in settings.items():
-            tokens, d_tps, stats = dyno_run(cls, lm, prompt, n, k)
+        for name, (drafter, k) in settings.items():
+            tokens, d_tps, stats = dyno_run(drafter, lm, prompt, n, k)
             r = runs[name]
             r["tps"].append(d_tps)
             r["ratio"].append(d_tps / tps)

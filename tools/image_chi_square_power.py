@@ -20,12 +20,12 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy.stats import chi2  # noqa: E402
 
-from engine.test_distribution import IMAGE_SAMPLES, VL_PROMPT, ImageShadowSpeculator  # noqa: E402
+from engine.test_distribution import IMAGE_SAMPLES, VL_PROMPT, ImageShadowDrafter  # noqa: E402
 from helpers import vision_models  # noqa: E402
+from helpers.drafts import drafted  # noqa: E402
 from helpers.distribution import (FALSE_ALARM, PARAMS, chi_square, exact_joint, image_target_dist,  # noqa: E402
                                   mlx_lm_probs, sample_tokens)
 from speculative.config import SamplingParams  # noqa: E402
-from speculative.engine import Speculator  # noqa: E402
 from speculative.loader import load_checkpoint  # noqa: E402
 from speculative.loader.vision import image_prompt  # noqa: E402
 from speculative.target import MRoPE  # noqa: E402
@@ -52,12 +52,12 @@ def main() -> None:
               "image left out (pad embeddings)": wrong_dist(lm, vision, vision.rope,
                                                             lm.target.embed(mx.array(prompt)[None]))}
     joints.update({name: exact_joint(lm, prompt, dist) for name, dist in wrongs.items()})
-    for drafter, cls in (("shadow", ImageShadowSpeculator), ("mtp-head", Speculator)):
+    for drafter in ("shadow", "mtp-head"):
         n, counts = IMAGE_SAMPLES[drafter], {}
         for seed in range(n):  # as the test draws them
             random.seed(seed)
-            spec = cls(lm, SamplingParams(temperature=1.0, top_k=3, max_tokens=3), 2, 2048)
-            spec.lm, spec.context = lm, prompt
+            spec = drafted(lm, SamplingParams(temperature=1.0, top_k=3, max_tokens=3), 2,
+                           drafter=ImageShadowDrafter(lm, vision) if drafter == "shadow" else None)
             tokens, _, _ = sample_tokens(spec, prompt, 3, vision)
             counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
         for name, joint in joints.items():

@@ -3,17 +3,19 @@
     python tools/profile_round.py [--model assets/dyno-tiny] [--depths 1 3] [--max-tokens 200]
                                   [--suite code] [--pairs 1] [--temp 0] [--json FILE]
 
-Method. The engine is not changed: `Profiled` subclasses speculative.engine.Speculator, is passed to
-engine.generate as its `runner=`, and wraps the calls `step` already makes, so each phase of a round
-ends at a call the engine makes anyway:
+Method. The engine is not changed: `Profiled` is the MTP head as a drafter (round/drafter.py),
+passed to engine.generate as its `drafter=`; on its first drafts it wraps, on that instance only,
+the calls the driver (batched.BatchSpeculator, at width 1) already makes in `step`, so each phase
+of a round ends at a call the engine makes anyway:
 
     verify        step entry -> `target.verify` returns (the k+1-token trunk pass over the drafts
                   the previous round queued)
     acceptance    -> `_head` is entered (logits processors, the acceptance rule)
-    head rows     -> the round's host sync (`outcome`) returns (the head's rows for every position
+    head rows     -> the round's host sync (`_sync`) returns (the head's rows for every position
                   the round may keep, and reading the outcome to Python)
-    rollback      -> `draft` is entered (trunk cache trim, GDN commit, head cache trim)
-    drafts        -> `draft` returns (the next round's k head steps, draft lm_head, pick)
+    rollback      -> `_emit` is entered (trunk cache trim, GDN commit, head cache trim)
+    drafts        -> the drafter's `propose` returns (the next round's k head steps, draft
+                  lm_head, pick); entered from the emit phase, which it interrupts
     emit          -> the next `step` entry (bookkeeping, yielding the tokens, generate()'s loop)
 
 In the instrumented run every phase ends with a barrier: mx.eval of what the phase produced (the
@@ -54,6 +56,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from speculative import engine  # noqa: E402
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
 from speculative.measure.cost_model import cost_model  # noqa: E402
+from speculative.round.drafter import HeadDrafter  # noqa: E402
 from speculative.stats import GenerationStats  # noqa: E402
 
 PHASES = ("verify", "acceptance", "head rows", "rollback", "drafts", "emit")
@@ -85,30 +88,20 @@ class _TargetProxy:
         return logits, hidden, tapes
 
 
-class Profiled(engine.Speculator):
-    """A Speculator that records per-round phase times; with `barriers` False only round starts."""
+class Profiled(HeadDrafter):
+    """The MTP head as drafter, recording per-round phase times of the driver that asks it; with
+    `barriers` False only round starts. On its first drafts it wraps that driver's calls (on the
+    instance: the class is untouched)."""
 
-    def __init__(self, *args, barriers: bool = True, **kwargs):
+    def __init__(self, barriers: bool = True):
+        super().__init__()
         self.barriers = barriers
-        super().__init__(*args, **kwargs)
-        self.round_starts: List[float] = []  # perf_counter at every step entry
+        self.batch = None  # the driver, once it asked for drafts
+        self.round_starts: List[float] = []  # perf_counter at every round's start
         self.rounds: List[Dict[str, List[float]]] = []  # closed rounds: phase -> [wall, device]
         self._phase: Optional[str] = None
         self._record: Optional[Dict[str, List[float]]] = None
         self._t = 0.0
-        if self.barriers:
-            self.target = _TargetProxy(self.target, self)
-            real = self.outcome
-
-            def outcome(*arrays):
-                if self._phase != "head rows":  # prefill's sync: not a round
-                    return real(*arrays)
-                self._wait(arrays)
-                out = real(*arrays)
-                self._mark("rollback")
-                return out
-
-            self.outcome = outcome
 
     # -- accounting
     def _wait(self, arrays) -> None:
@@ -122,53 +115,78 @@ class Profiled(engine.Speculator):
         self._record[self._phase][0] += now - self._t
         self._t, self._phase = now, nxt
 
-    # -- the engine's calls, wrapped
-    def step(self):
-        if not self.barriers:
-            self.round_starts.append(time.perf_counter())
-            return super().step()
-        if self._phase == "emit":  # close the previous round at this round's start (its clock read)
-            self._wait([])
-            self._mark(None)
-            self.rounds.append(self._record)
-        else:  # the first round: its drafts are queued before its clock starts, as later rounds' are
-            if self.queued is None:
-                self.queue_drafts()
-            mx.eval(_arrays(self.queued))
-            self._t = time.perf_counter()
+    def _open(self) -> None:
+        """A round starts now."""
         self._record = {p: [0.0, 0.0] for p in PHASES}
         self._phase = "verify"
         self.round_starts.append(self._t)
-        return super().step()
 
-    def draft(self, k: int):
-        if self.barriers and self._phase == "rollback":
-            self._wait([c.state for c in self.trunk_cache])
+    # -- the drafts
+    def propose(self, rounds, budgets):
+        if self.batch is None:  # the first round: its drafts are made before its clock starts, as later rounds' are
+            self._instrument(rounds)
+            if not self.barriers:
+                self.round_starts.append(time.perf_counter())
+                return super().propose(rounds, budgets)
+            out = super().propose(rounds, budgets)
+            mx.eval(_arrays([out.tokens, out.probs]))
+            self._t = time.perf_counter()
+            self._open()
+            return out
+        if self.barriers and self._phase == "emit":
             self._mark("drafts")
-        out = super().draft(k)
+        out = super().propose(rounds, budgets)
         if self.barriers and self._phase == "drafts":
-            self._wait(out)
+            self._wait([out.tokens, out.probs])
             self._mark("emit")
         return out
 
-    def _head(self, tokens, hidden, embeddings=None):
-        if not (self.barriers and self._phase == "acceptance"):
-            return super()._head(tokens, hidden, embeddings)  # prefill's rows and the draft recursion
-        self._wait([tokens])  # the acceptance rule's outcome, which the rows' tokens are made of
-        self._mark("head rows")
-        out = super()._head(tokens, hidden, embeddings)
-        self._wait([out] + [c.state for c in self.head_cache])
-        return out
+    # -- the driver's calls, wrapped on its instance
+    def _instrument(self, batch) -> None:
+        self.batch = batch
+        step = batch.step
+        if not self.barriers:
+            def timed_step(*args, **kwargs):
+                self.round_starts.append(time.perf_counter())
+                return step(*args, **kwargs)
 
+            batch.step = timed_step
+            return
+        head, sync, emit = batch._head, batch._sync, batch._emit
+        batch.target = _TargetProxy(batch.target, self)
 
-def profiled(barriers: bool, made: List[Profiled]):
-    """A runner factory for engine.generate's `runner=`: Profiled runners, each appended to `made`."""
+        def profiled_step(*args, **kwargs):
+            if self._phase == "emit":  # close the previous round at this round's start (its clock read)
+                self._wait([])
+                self._mark(None)
+                self.rounds.append(self._record)
+                self._open()
+            return step(*args, **kwargs)
 
-    def runner(lm, params, spec, prefill_step):
-        made.append(Profiled(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab, barriers=barriers))
-        return made[-1]
+        def profiled_head(tokens, hidden, *args, **kwargs):
+            if self._phase != "acceptance":  # a join's rows, a catch-up, the draft recursion
+                return head(tokens, hidden, *args, **kwargs)
+            self._wait([tokens])  # the acceptance rule's outcome, which the rows' tokens are made of
+            self._mark("head rows")
+            out = head(tokens, hidden, *args, **kwargs)
+            self._wait([out] + [c.state for c in batch.head_cache])
+            return out
 
-    return runner
+        def profiled_sync(*arrays):
+            if self._phase != "head rows":
+                return sync(*arrays)
+            self._wait(arrays)
+            out = sync(*arrays)
+            self._mark("rollback")
+            return out
+
+        def profiled_emit(*args, **kwargs):
+            if self._phase == "rollback":
+                self._wait([c.state for c in batch.trunk_cache])
+                self._mark("emit")
+            return emit(*args, **kwargs)
+
+        batch.step, batch._head, batch._sync, batch._emit = profiled_step, profiled_head, profiled_sync, profiled_emit
 
 
 def profile_run(lm, prompt: Sequence[int], depth: int, params: SamplingParams, barriers: bool,
@@ -176,16 +194,15 @@ def profile_run(lm, prompt: Sequence[int], depth: int, params: SamplingParams, b
     """One generation through engine.generate: its tokens, rounds, and per-round timings (seconds).
 
     `phases`: per closed round after the first `skip`, phase -> (host, device); `walls`: those
-    rounds' step-entry-to-next-step-entry times; `stats`: the generation's GenerationStats.
+    rounds' start-to-next-start times; `stats`: the generation's GenerationStats.
     """
     stats = GenerationStats()
-    made: List[Profiled] = []
-    for e in engine.generate(lm, prompt, params, SpecConfig("mtp", depth), runner=profiled(barriers, made)):
+    drafter = Profiled(barriers)
+    for e in engine.generate(lm, prompt, params, SpecConfig("mtp", depth), drafter=drafter):
         stats.add(e)
-    runner = made[0]
-    starts = runner.round_starts
+    starts = drafter.round_starts
     walls = [b - a for a, b in zip(starts, starts[1:])][skip:]
-    phases = [{p: (w - d, d) for p, (w, d) in r.items()} for r in runner.rounds][skip:]
+    phases = [{p: (w - d, d) for p, (w, d) in r.items()} for r in drafter.rounds][skip:]
     return {"tokens": stats.tokens, "stats": stats, "walls": walls, "phases": phases}
 
 

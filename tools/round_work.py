@@ -4,11 +4,12 @@
         --draft-vocab auto --depths 2,3 --context 16 --max-tokens 24 --keep /tmp/q08-f32 [--json FILE]
 
 A real-shaped random checkpoint (speculative/measure/random_checkpoint.py) drafts replayed to an
-acceptance profile (speculative/measure/replay.py), output checked equal to plain greedy. At every
-round's start the tool waits for the queued drafts, then times the cost model's calls on the round's
-own caches, one after the other and each waited for: Tv(k) (a k+1-token verify and its argmax) and
-Td (a head step and its greedy pick over the drafts' projection); then the round runs as the engine
-runs it, to the next round's drafts computed. Per round it reads wall time and each thread's CPU time
+acceptance profile (speculative/measure/replay.py), output checked equal to plain greedy. As each
+round's drafts are made (its drafter, Paired, is asked for them after the round before emitted its
+tokens) the tool waits for them, then times the cost model's calls on the round's own caches, one
+after the other and each waited for: Tv(k) (a k+1-token verify and its argmax) and Td (a head step
+and its greedy pick over the drafts' projection); then the round runs as the engine runs it, to the
+next round's drafts computed. Per round it reads wall time and each thread's CPU time
 (speculative/measure/thread_time.py): the worker threads' run time is the round's device work, set
 against Tv(k) + k*Td's; the main thread's is its Python; the busiest worker's idle time is time it
 had nothing queued. On a machine shared with other work, wall time drifts by the minute and CPU time
@@ -29,9 +30,9 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from speculative import engine  # noqa: E402
 from speculative.config import SamplingParams, SpecConfig  # noqa: E402
-from speculative.draft_vocab.head import DraftLMHead  # noqa: E402
-from speculative.measure.cost_model import draft_call, verify_call  # noqa: E402
-from speculative.measure.replay import ReplayedSpeculator, parse_profile  # noqa: E402
+from speculative.draft_vocab.head import DraftLMHead, greedy_token  # noqa: E402
+from speculative.measure.cost_model import verify_call  # noqa: E402
+from speculative.measure.replay import ReplayedDrafter, parse_profile  # noqa: E402
 from speculative.measure.thread_time import Usage, since, stamp  # noqa: E402
 from speculative.stats import GenerationStats  # noqa: E402
 
@@ -43,8 +44,20 @@ def timed(build, main: int) -> Usage:
     return since(start, main)
 
 
-class Paired(ReplayedSpeculator):
-    """A replayed Speculator that times its model calls on its own caches before every round."""
+def draft_step(rounds, last, projection):
+    """cost_model.draft_call on the driver's batch caches: a head step from (`last`, the rows' head
+    hiddens) and its greedy pick, the head caches cut back by size after it (their offsets are per row)."""
+    start = rounds.head_cache[0].size()
+
+    def build():
+        out = rounds._head(last, rounds.head_hidden)
+        rounds._trim_head(start)
+        return greedy_token(projection, out[:, -1])
+    return build
+
+
+class Paired(ReplayedDrafter):
+    """Replayed drafts that, as each round's drafts are made, time its model calls on its own caches."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -52,41 +65,35 @@ class Paired(ReplayedSpeculator):
         self.samples: List[Dict[str, Usage]] = []  # per closed round: round, Tv, Td
         self._open = None  # (stamp at the round's start, its calls)
 
-    def _calls(self) -> Dict[str, Usage]:
-        last = self.pending[None]  # the cost model's calls, on this round's own caches
-        verify = verify_call(self.target, self.trunk_cache, last, self.depth, self.rope)
-        draft = draft_call(self.target, self.head, self.head_cache, last, self.head_hidden, self.draft_lm_head,
-                           self.rope)
+    def _calls(self, rounds, k: int) -> Dict[str, Usage]:
+        last = rounds.pending[None]  # the cost model's calls, on this round's own caches
+        verify = verify_call(rounds.target, rounds.trunk_cache, last, k, rounds.rope)
+        projection = self.projection if self.projection is not None else rounds.draft_lm_head
+        draft = draft_step(rounds, last, projection)
         return {"Tv": timed(verify, self.main), "Td": timed(draft, self.main)}
 
-    def step(self):
-        if self.queued is None:
-            self.queue_drafts()
-        mx.eval(self.queued[0])  # the previous round ends with its successor's drafts computed
+    def propose(self, rounds, budgets):
+        drafts = super().propose(rounds, budgets)
+        mx.eval(drafts.tokens)  # a round ends with its successor's drafts computed
         if self._open is not None:
             start, calls = self._open
             self.samples.append({"round": since(start, self.main), **calls})
-        calls = self._calls()
+        calls = self._calls(rounds, max(budgets))
         self._open = (stamp(), calls)
-        return super().step()
+        return drafts
 
 
 def paired_rounds(lm, prompt: Sequence[int], reference: Sequence[int], depth: int, profile: Sequence[float],
                   max_tokens: int, seed: int = 0, draft_head: Optional[DraftLMHead] = None) -> List[Dict[str, Usage]]:
     """One replayed generation's rounds (the first left out: allocation), each with its calls."""
-    made = []
-
-    def runner(lm_, params, spec, prefill_step):
-        made.append(Paired(lm_, params, depth, prefill_step, None, reference, profile, seed, draft_head))
-        return made[-1]
-
+    drafter = Paired({None: reference}, profile, lm.vocab_size, seed, draft_head, row_seeds=False)
     stats = GenerationStats()
     for event in engine.generate(lm, prompt, SamplingParams(max_tokens=max_tokens), SpecConfig("mtp", depth),
-                                 runner=runner):
+                                 drafter=drafter):
         stats.add(event)
     if stats.tokens != list(reference[:max_tokens]):
         raise AssertionError(f"depth {depth}: the timed rounds changed the greedy output")
-    return made[0].samples[1:]
+    return drafter.samples[1:]
 
 
 def summary(samples: List[Dict[str, Usage]], depth: int) -> dict:

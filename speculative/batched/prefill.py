@@ -14,16 +14,28 @@ short ones), and not two sharing a long prefix (sharing_waves: the later one wai
 prompt state and resumes from it, as one after the other would).
 """
 
-from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence
+from typing import Dict, Hashable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from ..config import SamplingParams
-from ..engine import segments
+from ..loader.vision import VisionInput
 from ..prompt_cache.store import Checkpoint, Resume, common_prefix, owned, recurrent_state
 
 PAD = 0  # the padding's token id: never seen by a real row (masked, then rolled out of reach)
+PREFILL_STEP = 2048  # mlx-lm's generate_step default; the same chunking keeps caches identical
+
+
+def segments(start: int, stop: int, cuts: Sequence[int], step: int) -> Iterator[Tuple[int, int]]:
+    """Prefill chunks covering [start, stop): ending at every cut, at most `step` long, counted from
+    the last cut, so a prompt resumed at a cut is chunked from there as a cold run chunks it."""
+    s = start
+    for end in [c for c in cuts if start < c < stop] + [stop]:
+        while s < end:
+            e = min(s + step, end)
+            yield s, e
+            s = e
 
 
 class Joiner(NamedTuple):
@@ -36,6 +48,8 @@ class Joiner(NamedTuple):
     cuts: Sequence[int] = ()  # positions at which to checkpoint the recurrent state
     depth: Optional[int] = None  # pinned draft depth (0: never drafts); None: the rounds'
     details: bool = False  # its Rounds carry each draft's p, q and acceptance chance
+    rng_seed: Optional[int] = None  # an unseeded request's draws from it (Row), else a random seed
+    vision: Optional[VisionInput] = None  # a prompt's images: their embeddings and M-RoPE positions
 
 
 class Prefilled(NamedTuple):
@@ -115,10 +129,13 @@ def prefill_together(rounds, joiners: Sequence[Joiner], trunk: List, head: List,
     if padded:
         for c in trunk + head:
             c.prepare(lengths=lengths, right_padding=pad)
+    # A prompt with images (alone, never resumed) feeds its embeddings, at its M-RoPE positions (rounds.rope).
+    vision = joiners[0].vision
+    rows = (lambda s, e: vision.embeddings[:, s:e]) if vision is not None else (lambda s, e: None)
     ends = sorted({c for row in cuts for c in row})  # every row's cuts end a chunk
     for s, e in segments(0, width, ends, max(1, step // len(joiners))):  # a chunk's tokens: a lone prompt's
-        hidden = rounds.target.hidden(tokens[:, s:e], trunk)
-        rounds._remember(ahead[:, s:e], hidden, cache=head)  # row p = (t_{p+1}, h_p)
+        hidden = rounds.target.hidden(tokens[:, s:e], trunk, rows(s, e), rounds.rope)
+        rounds._remember(ahead[:, s:e], hidden, rows(s + 1, e + 1), cache=head)  # row p = (t_{p+1}, h_p)
         mx.eval([c.state for c in trunk + head])
         rounds.memory.clear_cache()  # after each prefill chunk, as mlx-lm's generate_step
         for b, row_cuts in enumerate(cuts):
@@ -129,5 +146,6 @@ def prefill_together(rounds, joiners: Sequence[Joiner], trunk: List, head: List,
         for c in trunk + head:
             c.finalize()
     last = mx.array([[j.prompt[-1]] for j in joiners])
-    hidden = rounds.target.hidden(last, trunk)  # [B, 1, H]
+    n = len(joiners[0].prompt)
+    hidden = rounds.target.hidden(last, trunk, rows(n - 1, n), rounds.rope)  # [B, 1, H]
     return Prefilled(hidden, rounds.target.lm_head(hidden[:, -1]), checkpoints)

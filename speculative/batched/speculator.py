@@ -30,16 +30,17 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from ..rollback import GDNTape, restore, snapshot, tape_row
+from ..round.drafter import Drafter, Drafts, HeadDrafter, drafts_of, refusal
 from ..round.rounds import Rounds
 from ..round.row import Row
 from ..config import SamplingParams
-from .prefill import Joiner, prefill_groups, prefill_together
-from ..engine import PREFILL_STEP, LastPass, settled
+from .prefill import PREFILL_STEP, Joiner, prefill_groups, prefill_together
+from .settle import LastPass, Leaving
 from ..errors import DynoError
 from ..events import Provenance, Round, Token
 from ..loader import LoadedModel
 from ..backend.memory import MLX_MEMORY, Memory
-from ..prompt_cache.store import PrefixEntry, Resume, ShiftedKVCache, own_rows
+from ..prompt_cache.store import Resume, ShiftedKVCache
 from ..round.sampling import log_softmax
 
 log = logging.getLogger(__name__)
@@ -93,31 +94,7 @@ class RowPass(NamedTuple):
     hidden: mx.array  # [B', T, H] trunk hiddens of the pass's rows
     kept: int  # of the pass's T tokens, how many the row's caches hold
     at: int  # the row's index in that pass
-
-
-class Leaving:
-    """A row that left the batch: its own caches (extracted) and its latest pass, on them (tapes of
-    its own rows, its hiddens), to be settled once."""
-
-    def __init__(self, row: Row, trunk: List, head: Optional[List], last: LastPass):
-        self.row, self.trunk, self.head, self.last = row, trunk, head, last
-
-    def settle(self, emitted: int) -> PrefixEntry:
-        """The row's state after its prompt and first `emitted` tokens minus the last (the pending
-        one), as Speculator.settle: a stop or cancel inside the latest round keeps less than it fed.
-        Once only: it lets go of the caches and the pass (their tapes hold the whole round's states)."""
-        row, last, trunk, head = self.row, self.last, self.trunk, self.head
-        self.trunk = self.head = self.last = None
-        if last is None:
-            raise DynoError("a leaving row's state was already settled")
-        keep = last.committed - (len(row.generated) - emitted)
-        if keep < 1 or (keep < last.committed and last.tapes is None):
-            raise DynoError(f"a leaving row cannot be settled to {emitted} of its {len(row.generated)} tokens")
-        entry = settled(row.prompt, row.generated, emitted, trunk, head, last._replace(tapes=last.tapes or []),
-                        row.checkpoints)
-        entry.trunk_cache = [own_rows(c) for c in entry.trunk_cache]  # not slices of the batch's arrays
-        entry.head_cache = entry.head_cache and [own_rows(c) for c in entry.head_cache]
-        return entry
+    before: Optional[mx.array] = None  # [1, 1, H] the row's trunk hidden before the pass's first token
 
 
 class RowEvents(NamedTuple):
@@ -141,12 +118,12 @@ class PlainPass(NamedTuple):
 
 
 class QueuedDrafts(NamedTuple):
-    """The next drafting round's drafts, queued: the depth they were drafted at, ([B, k] tokens, per
-    row [k, V] draft probs or None), and what takes them back (the head caches' size before the
-    draft recursion, the rows' RNG keys)."""
+    """The next drafting round's drafts, queued: the depth they were asked at, the drafter's
+    proposals, and what takes them back (the head caches' size before the draft recursion, the
+    rows' RNG keys)."""
 
-    depth: int
-    drafts: Tuple[mx.array, List]
+    budgets: List[int]  # each row's depth they were asked at
+    drafts: Drafts
     head_start: int
     keys: List[mx.array]
 
@@ -161,19 +138,22 @@ class BatchSpeculator(Rounds):
     """
 
     def __init__(self, lm: LoadedModel, prefill_step: int = PREFILL_STEP, draft_vocab: Optional[int] = None,
-                 memory: Memory = MLX_MEMORY, keep_states: bool = True):
+                 memory: Memory = MLX_MEMORY, keep_states: bool = True, drafter: Optional[Drafter] = None):
         """`keep_states`: a row that leaves hands back its state (Leaving) to settle; False (no prompt
-        cache to keep it in): it leaves nothing, and nothing is held for it."""
+        cache to keep it in): it leaves nothing, and nothing is held for it. `drafter`: where drafts
+        come from (round/drafter.py; default the MTP head)."""
         if lm.head is None:
             raise DynoError("batched drafting needs an MTP head")
-        if lm.ranks is not None:
-            raise DynoError("batched drafting runs in one process")
         super().__init__(lm, draft_vocab, memory)  # rows clear MLX's buffer cache after each prefill chunk
         self.lm, self.prefill_step, self.draft_vocab, self.keep_states = lm, prefill_step, draft_vocab, keep_states
+        self.drafter = drafter if drafter is not None else HeadDrafter()
         self.clearing = memory.per_rounds()  # and the batch every 512 rounds, as BatchGenerator
         self.ids: List[Hashable] = []  # row b's request
         self.rows: List[Row] = []  # row b's own state
-        self.health = lm.head_health
+        # Split across processes (one row at a time): each sync is the ranks' one collective, rank 0's
+        # outcome for every rank; the head's health is not checked there.
+        self.ranks = lm.ranks
+        self.health = lm.head_health if self.ranks is None else None
         self.trunk_cache: List = []  # batch caches, one per trunk layer
         self.head_cache: List = []  # batch caches, one per head layer
         self.pending: Optional[mx.array] = None  # [B] each row's emitted token the trunk has not seen
@@ -193,9 +173,9 @@ class BatchSpeculator(Rounds):
 
     def join(self, row_id: Hashable, prompt: Sequence[int], params: SamplingParams,
              resume: Optional[Resume] = None, cuts: Sequence[int] = (), depth: Optional[int] = None,
-             details: bool = False) -> RowEvents:
-        """One row joins (join_all): returns its first token."""
-        out = self.join_all([Joiner(row_id, prompt, params, resume, cuts, depth, details)])[row_id]
+             details: bool = False, **more) -> RowEvents:
+        """One row joins (join_all; `more`: Joiner's other fields): returns its first token."""
+        out = self.join_all([Joiner(row_id, prompt, params, resume, cuts, depth, details, **more)])[row_id]
         if out.error is not None:
             raise out.error
         return out
@@ -213,6 +193,14 @@ class BatchSpeculator(Rounds):
             raise DynoError(f"rows {ids!r} are already in the batch")
         if any(len(j.prompt) == 0 for j in joiners):
             raise DynoError("the prompt is empty")
+        if self.ranks is not None and len(self.ids) + len(joiners) > 1:
+            raise DynoError("split across processes, requests are decoded one at a time")
+        if any(j.vision is not None for j in joiners) and (len(joiners) > 1 or self.ids):
+            raise DynoError("a prompt with images is decoded alone")  # one M-RoPE table for the batch
+        if any(j.vision is not None and j.resume is not None for j in joiners):
+            raise DynoError("a prompt with images is not resumed from the prefix cache")
+        if why := next((w for j in joiners if (w := refusal(self.drafter, j.params))), None):
+            raise DynoError(why)
         return {row_id: out for group in prefill_groups(joiners) for row_id, out in self._joined(group).items()}
 
     def _joined(self, group: Sequence[Joiner]) -> Dict[Hashable, RowEvents]:
@@ -234,9 +222,12 @@ class BatchSpeculator(Rounds):
         self._delivered()  # (before the prefill: the tapes' memory is free for it)
         rows = []
         for j in joiners:
-            row = Row(j.params, self.lm.eos_token_ids, self.lm.vocab_size, j.depth)
-            row.prompt, row.details = list(j.prompt), j.details
+            row = Row(j.params, self.lm.eos_token_ids, self.lm.vocab_size, j.depth, j.rng_seed)
+            row.id, row.prompt, row.details = j.row_id, list(j.prompt), j.details
+            head = j.resume.head_cache if j.resume is not None else None
+            row.head_shift = head[0].start if head and isinstance(head[0], ShiftedKVCache) else 0
             rows.append(row)
+        self.rope = joiners[0].vision.rope if joiners[0].vision is not None else None
         trunk, head = self._starting_caches(joiners[0])
         for j in joiners[1:]:
             t, h = self._starting_caches(j)
@@ -258,7 +249,7 @@ class BatchSpeculator(Rounds):
                 out[j.row_id] = RowEvents([], error=failed[b])
                 continue
             first, logits = picks[b]
-            row.generated = [first.item()]
+            row.generated = [first.item() if self.ranks is None else self.ranks.outcome(first)[0]]
             row.checkpoints = done.checkpoints[b]
             events = RowEvents([Token(row.generated[0], Provenance.PLAIN, row.scored(logits, row.generated)[0])],
                                row.finish(1))
@@ -305,6 +296,8 @@ class BatchSpeculator(Rounds):
         """A joiner that ended at its first token: its own caches (the head's without the first
         token's row, which settling drops anyway) and its last prompt token's pass."""
         heads = [c.extract(b) for c in head]
+        if row.head_shift:
+            heads = [ShiftedKVCache(row.head_shift, h) for h in heads]
         n = len(row.prompt)
         return Leaving(row, [c.extract(b) for c in trunk], heads if all(h.offset == n - 1 for h in heads) else None,
                        LastPass(None, hidden[b : b + 1], 1))
@@ -332,7 +325,7 @@ class BatchSpeculator(Rounds):
         self.passes = [self.passes[b] for b in indices]
         if not indices:
             self.trunk_cache, self.head_cache, self.pending, self.head_hidden = [], [], None, None
-            self.backlog = []
+            self.backlog, self.rope = [], None
             return left
         keep_rows(self.trunk_cache + self.head_cache, indices)
         index = mx.array(indices)
@@ -346,7 +339,7 @@ class BatchSpeculator(Rounds):
         own = {id(c): mine for c, mine in zip(self.trunk_cache, trunk)}  # a tape's layer -> the row's
         p = self.passes[b]
         tapes = None if p.tapes is None else [tape_row(t, p.at, own[id(t.cache)]) for t in p.tapes]
-        last = LastPass(tapes, p.hidden[p.at : p.at + 1], p.kept)
+        last = LastPass(tapes, p.hidden[p.at : p.at + 1], p.kept, p.before)
         return Leaving(self.rows[b], trunk, self._head_rows(b), last)
 
     def _head_rows(self, b: int) -> Optional[List]:
@@ -354,6 +347,8 @@ class BatchSpeculator(Rounds):
         own copy), or None when it has fewer (it joined with a shifted head: a headless entry)."""
         row = self.rows[b]
         head = [c.extract(b) for c in self.head_cache]
+        if row.head_shift:  # it joined with a head lacking its first rows: they stay absent
+            head = [ShiftedKVCache(row.head_shift, h) for h in head]
         if any(h.offset + len(self.backlog) != len(row.prompt) + len(row.generated) - 1 for h in head):
             return None
         if self.backlog:
@@ -385,7 +380,7 @@ class BatchSpeculator(Rounds):
         row's token picked by its own rule and key; `ahead`: tokens of each row not yet emitted before
         it (a seeded row draws with its position's key). Nothing is evaluated."""
         caches, keys = snapshot(self.trunk_cache), [r.key for r in self.rows]
-        hidden = self.target.hidden(self.pending[:, None], self.trunk_cache)  # [B, 1, H]
+        hidden = self.target.hidden(self.pending[:, None], self.trunk_cache, rope=self.rope)  # [B, 1, H]
         logits = self.target.lm_head(hidden)
         if all(r.plain_greedy for r in self.rows):  # one argmax for every row
             nxt, processed = mx.argmax(log_softmax(logits[:, 0]), axis=-1).astype(self.pending.dtype), logits
@@ -412,12 +407,20 @@ class BatchSpeculator(Rounds):
         for row, key in zip(self.rows, keys):
             row.key = key
 
-    def _queue_drafts(self, k: int) -> QueuedDrafts:
-        """Draft the next round at depth k and start computing the drafts."""
-        start, keys = self.head_cache[0].size(), [r.key for r in self.rows]
-        drafts = self.draft_rows(k)
-        mx.async_eval(drafts[0])
-        return QueuedDrafts(k, drafts, start, keys)
+    def _queue_drafts(self, depth: int) -> QueuedDrafts:
+        """Ask the drafter for the drafts of the next round, at `depth` (each row at its own: depths),
+        and start computing them."""
+        start, keys, budgets = self.head_cache[0].size(), [r.key for r in self.rows], self.depths(depth)
+        drafts = drafts_of(self.drafter, self, budgets)
+        mx.async_eval(drafts.tokens)
+        return QueuedDrafts(budgets, drafts, start, keys)
+
+    def _sync(self, nxt: mx.array, n_acc: mx.array, drafts: mx.array):
+        """The round's one host sync; split across processes (one row), the ranks' one collective."""
+        if self.ranks is None:
+            return super()._sync(nxt, n_acc, drafts)
+        next_id, a, drafted = self.ranks.outcome(nxt[0], n_acc[0], drafts[0])
+        return [next_id], [a], [drafted]
 
     def _look_ahead(self, coming: int) -> None:
         """Queue the next plain pass and start it, unless a row's processors wait for tokens not yet
@@ -431,7 +434,7 @@ class BatchSpeculator(Rounds):
         """After a round's tokens are emitted: queue the first work of the next round, at depth `then`."""
         if not self.ids:
             return
-        if then > 0:
+        if self.deepest(then) > 0:
             self._catch_up_head()
             self.queued = self._queue_drafts(then)
         else:
@@ -440,6 +443,8 @@ class BatchSpeculator(Rounds):
     def _plain_round(self, then: int) -> Dict[Hashable, RowEvents]:
         """Depth 0: this round's pass (queued by the last round, or now), and with a plain round next,
         its pass queued behind this one before the one host sync; the head's rows are owed, not run."""
+        if self.ranks is not None:  # (ranks would have to agree on each token: generate always drafts)
+            raise DynoError("split across processes, every round drafts")
         if self.ahead is None:
             self._take_back()
         now, self.ahead = self.ahead or self._plain_pass(), None
@@ -448,11 +453,11 @@ class BatchSpeculator(Rounds):
         self.backlog.append((now.nxt[:, None], now.hidden))
         if len(self.backlog) >= HEAD_BACKLOG:
             self._catch_up_head()
-        if then == 0:
+        if self.deepest(then) == 0:
             self._look_ahead(1)
         mx.eval(now.nxt)  # the round's one host sync
         out = self._emit([0] * len(self.rows), [1] * len(self.rows), [[] for _ in self.rows], now.nxt.tolist(), now.processed)
-        if then > 0:  # drafts follow the emitted tokens (a row's processors read them)
+        if self.deepest(then) > 0:  # drafts follow the emitted tokens (a row's processors read them)
             self._queue_next(then)
         return out
 
@@ -479,18 +484,20 @@ class BatchSpeculator(Rounds):
         depths = self.depths(depth)
         k = max(depths)
         if k == 0:
-            return self._plain_round(self.deepest(then))
-        if self.queued is None or self.queued.depth != k:
+            return self._plain_round(then)
+        if self.queued is None or self.queued.budgets != depths:
             self._take_back()
             self._catch_up_head()
-            self.queued = self._queue_drafts(k)
-        (drafts, draft_probs), head_start = self.queued.drafts, self.queued.head_start
+            self.queued = self._queue_drafts(depth)
+        drafts, head_start = self.queued.drafts, self.queued.head_start
         self.queued = None
-        out = self.verify_round(drafts, draft_probs, head_start, depths)
-        self.passes = [RowPass(out.tapes, out.hidden, a + 1, b) for b, a in enumerate(out.accepted)]
+        depths = drafts.lengths
+        out = self.verify_round(drafts.tokens, drafts.probs, head_start, depths)
+        self.passes = [RowPass(out.tapes, out.hidden, a + 1, b, p.hidden[p.at : p.at + 1, p.kept - 1 : p.kept])
+                       for b, (a, p) in enumerate(zip(out.accepted, self.passes))]
         events = self._emit(depths, [a + 1 for a in out.accepted], out.drafts, out.nxt, out.processed, out.confident,
                             out.details)
-        self._queue_next(self.deepest(then))  # computes while the host hands these tokens out
+        self._queue_next(then)  # computes while the host hands these tokens out
         return events
 
     def _emit(self, depths: List[int], kept: List[int], drafts: List[List[int]], nxt: List[int], processed,

@@ -54,10 +54,10 @@ def run_mlx_lm(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams) -
 
 
 def run_dyno(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams, spec: SpecConfig,
-             runner=None) -> Run:
-    """Dyno through its public generator, folded by GenerationStats (`runner`: generate's seam)."""
+             drafter=None) -> Run:
+    """Dyno through its public generator, folded by GenerationStats (`drafter`: generate's seam)."""
     stats = GenerationStats()
-    for e in generate(lm, prompt, params, spec, runner=runner):
+    for e in generate(lm, prompt, params, spec, drafter=drafter):
         stats.add(e)
     return Run(stats.tokens, stats.decode_tokens_per_s or 0.0, stats.done.prefill_s, stats)
 
@@ -92,11 +92,11 @@ class SettingResult:
 
 def paired_benchmark(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams, depths: Sequence[int],
                      pairs: int = 5, with_off: bool = True, auto_depth: Optional[int] = None,
-                     draft_vocab: Optional[int] = None, runner=None) -> Dict[str, object]:
+                     draft_vocab: Optional[int] = None, drafter=None) -> Dict[str, object]:
     """Alternate plain mlx-lm with each Dyno setting, `pairs` cycles after one warm-up cycle.
 
     `auto_depth`: also run the depth `--draft-depth auto` resolved to, as its own setting "auto".
-    `runner`: every Dyno run's (engine.generate's seam; a tool's replayed drafts).
+    `drafter`: every Dyno run's (engine.generate's seam; a tool's replayed drafts).
     """
     settings = ([("off", SpecConfig("off"))] if with_off else []) + [
         (f"mtp@{k}", SpecConfig("mtp", k, draft_vocab)) for k in depths]
@@ -107,14 +107,14 @@ def paired_benchmark(lm: LoadedModel, prompt: Sequence[int], params: SamplingPar
     base_tps, base_ttft = [], []
     run_mlx_lm(lm, prompt, params)  # warm-up: compile, allocate, fill caches
     for name, spec in settings:
-        run_dyno(lm, prompt, params, spec, runner=runner)
+        run_dyno(lm, prompt, params, spec, drafter=drafter)
     totals = {name: GenerationStats() for name, _ in settings}  # rounds and acceptance over all pairs
     for _ in range(pairs):
         base = run_mlx_lm(lm, prompt, params)
         base_tps.append(base.decode_tps)
         base_ttft.append(base.ttft_s)
         for name, spec in settings:
-            run = run_dyno(lm, prompt, params, spec, runner=runner)
+            run = run_dyno(lm, prompt, params, spec, drafter=drafter)
             r = results[name]
             r.tps.append(run.decode_tps)
             r.ttft.append(run.ttft_s)
@@ -141,16 +141,16 @@ def tune_prompts(tokenizer) -> List[List[int]]:
 
 def tune_depths(lm: LoadedModel, prompts: Sequence[Sequence[int]], max_tokens: int, pairs: int,
                 draft_vocab: Optional[int] = None, depths: Sequence[int] = TUNE_DEPTHS,
-                runner_for=None) -> Tuple[int, Dict[int, float], List[dict]]:
+                drafter_for=None) -> Tuple[int, Dict[int, float], List[dict]]:
     """`dyno tune`'s choice: a paired benchmark of each depth on each prompt, the depth with the best
     median speedup over the prompts; (that depth, {depth: speedup}, each prompt's paired_benchmark).
-    `runner_for(i)`: the runner for prompt i's Dyno runs (None: the engine's own)."""
+    `drafter_for(i)`: the drafter for prompt i's Dyno runs (None: the engine's own)."""
     ratios = {k: [] for k in depths}
     results = []
     for i, prompt in enumerate(prompts):
         res = paired_benchmark(lm, prompt, SamplingParams(max_tokens=max_tokens), depths, pairs=pairs,
                                with_off=False, draft_vocab=draft_vocab,
-                               runner=runner_for(i) if runner_for is not None else None)
+                               drafter=drafter_for(i) if drafter_for is not None else None)
         results.append(res)
         for k in depths:
             ratios[k].append(res["settings"][f"mtp@{k}"]["ratio"]["median"])

@@ -6,7 +6,7 @@ cost is real); each draft is then replaced by the token plain greedy decoding wr
 position (known from a reference run) or by a wrong one, so that draft position j is accepted
 with probability profile[j]. Verify, acceptance, rollback and the head rows run for real, and the
 output is still the plain greedy text. Used only by the benchmarks: no server or CLI path makes one.
-ReplayedBatch does the same for batched drafting, each row against its own reference.
+It is a drafter (round/drafter.py), so it runs at any width, each row against its own reference.
 
 Over a draft vocabulary (`draft_head`, a DraftLMHead) the head projects onto the subset's rows only,
 as `--draft-vocab` does, and every scripted draft is one of the subset's ids: a reference token
@@ -20,8 +20,8 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Un
 import mlx.core as mx
 
 from ..batched import BatchSpeculator
-from ..engine import Speculator
 from ..errors import DynoError
+from ..round.drafter import Drafts, HeadDrafter
 from .tuning import PRIOR_DECAY, PRIOR_FIRST
 
 # Acceptance by draft position (GenerationStats' acceptance_by_position at depth 3).
@@ -81,15 +81,6 @@ class Script:
         return out
 
 
-def drafting_over(rounds, draft_head) -> Optional[List[int]]:
-    """Point `rounds`' draft step at `draft_head`'s rows (a DraftLMHead) when given; its sorted ids, else
-    None (the whole vocabulary)."""
-    if draft_head is None:
-        return None
-    rounds.draft_lm_head = draft_head
-    return draft_head.ids.tolist()
-
-
 def scripted(computed: mx.array, drafts: List[List[int]]) -> mx.array:
     """`drafts` in place of the head's `computed` ones; where() reads the computed, so evaluating the
     scripted drafts still runs the head."""
@@ -97,53 +88,42 @@ def scripted(computed: mx.array, drafts: List[List[int]]) -> mx.array:
     return mx.where(keep, mx.array(drafts, dtype=computed.dtype).reshape(computed.shape), computed)
 
 
-class ReplayedSpeculator(Speculator):
-    """A Speculator whose drafts follow `profile`: position j right with probability profile[j]."""
+class ReplayedDrafter(HeadDrafter):
+    """The head's drafts, computed, then swapped for each row's script: row `row_id` against
+    `references[row_id]` (that row's plain greedy tokens) with its own seed, so a row's rounds do not
+    depend on the rows beside it. Greedy rows only; `subset`: a draft vocabulary's sorted ids."""
 
-    def __init__(self, lm, params, depth: int, prefill_step: int, draft_vocab, reference: Sequence[int],
-                 profile: Sequence[float], seed: int = 0, draft_head=None):
-        if not params.greedy:
-            raise DynoError("replayed acceptance scripts greedy drafts only")
-        # A random model has no ranking of its own: the caller's subset stands in for `draft_vocab`'s.
-        super().__init__(lm, params, depth, prefill_step, None if draft_head is not None else draft_vocab)
-        self.script = Script(reference, profile, lm.vocab_size, drafting_over(self, draft_head), seed)
+    def __init__(self, references: Dict[Hashable, Sequence[int]], profile: Sequence[float], vocab: int,
+                 seed: int = 0, draft_head=None, row_seeds: bool = True):
+        """`draft_head`: a DraftLMHead the draft step projects onto, its ids the only draftable ones
+        (None: the round's own projection); `row_seeds`: each row's script seeded by its id too."""
+        super().__init__(draft_head)
+        subset = None if draft_head is None else draft_head.ids.tolist()
+        self.scripts = {i: Script(ref, profile, vocab, subset, f"{seed}/{i}" if row_seeds else seed)
+                        for i, ref in references.items()}
 
-    def draft(self, k: int):
-        """The head's k drafts, computed, then swapped for scripted ones."""
-        drafts, probs = super().draft(k)
-        # drafts are for generated[start], generated[start + 1], ...
-        return scripted(drafts, self.script.drafts(len(self.generated), k)), probs
+    def refuses(self, params) -> Optional[str]:
+        return None if params.greedy else "replayed acceptance scripts greedy drafts only"
+
+    def propose(self, rounds, budgets: Sequence[int]) -> Drafts:
+        drafts = super().propose(rounds, budgets)
+        k = drafts.tokens.shape[1]
+        # (a generation's one row, whatever its id, by the script under None)
+        rows = [self.scripts[r.id if r.id in self.scripts else None].drafts(len(r.generated), k) for r in rounds.rows]
+        return drafts._replace(tokens=scripted(drafts.tokens, rows))
+
+
+def replayed_drafter(lm, reference: Sequence[int], profile: Sequence[float], seed: int = 0,
+                     draft_head=None) -> ReplayedDrafter:
+    """engine.generate's `drafter`: replayed drafts against `reference`, the plain greedy tokens of
+    the same prompt (as many as the run generates, plus its depth), over `draft_head`'s rows when given."""
+    return ReplayedDrafter({None: reference}, profile, lm.vocab_size, seed, draft_head, row_seeds=False)
 
 
 class ReplayedBatch(BatchSpeculator):
-    """A BatchSpeculator whose rows' drafts follow `profile`, each row against its own reference
-    (`references[row_id]`, that row's plain greedy tokens) and its own seed, so a row's rounds do not
-    depend on the rows beside it. Greedy rows only."""
+    """A BatchSpeculator drafting by a ReplayedDrafter, each row against `references[row_id]` and its own
+    seed; the draft step over `draft_head`'s rows when given."""
 
     def __init__(self, lm, references: Dict[Hashable, Sequence[int]], profile: Sequence[float], seed: int = 0,
                  draft_head=None):
-        super().__init__(lm)
-        subset = drafting_over(self, draft_head)
-        self.scripts = {i: Script(ref, profile, lm.vocab_size, subset, f"{seed}/{i}")
-                        for i, ref in references.items()}
-
-    def join_all(self, joiners):
-        if not all(j.params.greedy for j in joiners):
-            raise DynoError("replayed acceptance scripts greedy drafts only")
-        return super().join_all(joiners)
-
-    def draft_rows(self, k: int):
-        """Every row's k drafts, computed, then swapped for its script's."""
-        drafts, probs = super().draft_rows(k)
-        rows = [self.scripts[i].drafts(len(row.generated), k) for i, row in zip(self.ids, self.rows)]
-        return scripted(drafts, rows), probs
-
-
-def replayed_runner(reference: Sequence[int], profile: Sequence[float], seed: int = 0, draft_head=None) -> Callable:
-    """engine.generate's `runner` seam: a ReplayedSpeculator against `reference`, the plain greedy
-    tokens of the same prompt (as many as the run generates, plus its depth); drafting over
-    `draft_head`'s subset when given."""
-    def make(lm, params, spec, prefill_step):
-        return ReplayedSpeculator(lm, params, spec.draft_depth, prefill_step, spec.draft_vocab, reference,
-                                  profile, seed, draft_head)
-    return make
+        super().__init__(lm, drafter=ReplayedDrafter(references, profile, lm.vocab_size, seed, draft_head))

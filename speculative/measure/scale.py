@@ -23,7 +23,7 @@ from ..loader import LoadedModel
 from ..stats import GenerationStats
 from .bench import TUNE_DEPTHS, run_dyno, run_mlx_lm, summarize, tune_depths, tune_prompts
 from .cost_model import cost_timer, speedup_bound
-from .replay import replayed_runner
+from .replay import replayed_drafter
 from .tuning import best_by_cost
 
 
@@ -106,16 +106,16 @@ def measure_context(lm: LoadedModel, prompt: Sequence[int], depths: Sequence[int
             record["depths"][k] = _bounds(costs, k, 1 + sum(profile[:k]))
         return record
     head = subset if draft_vocab else None  # the drafts' projection: the subset's rows, or the lm_head
-    runner = replayed_runner(reference.tokens, profile, seed, head)
+    drafter = replayed_drafter(lm, reference.tokens, profile, seed, head)
     for k in depths:  # warm-up: allocation and the first pass at each width
-        run_dyno(lm, prompt, SamplingParams(max_tokens=4), SpecConfig("mtp", k, None), runner=runner)
+        run_dyno(lm, prompt, SamplingParams(max_tokens=4), SpecConfig("mtp", k, None), drafter=drafter)
     plain, runs, beside = [], {k: [] for k in depths}, []
     for i in range(pairs):
         plain.append(run_mlx_lm(lm, prompt, params))
         for k in depths:
             # Each run its own seed: the pairs sample different rounds, as different prompts would.
             run = run_dyno(lm, prompt, params, SpecConfig("mtp", k, None),
-                           runner=replayed_runner(reference.tokens, profile, seed + i, head))
+                           drafter=replayed_drafter(lm, reference.tokens, profile, seed + i, head))
             if run.tokens != reference.tokens[:max_tokens]:
                 raise AssertionError(f"depth {k}: replayed drafting changed the greedy output")
             runs[k].append(run)
@@ -175,7 +175,7 @@ def tune_replayed(lm: LoadedModel, profile: Sequence[float], max_tokens: int, pa
     head = (draft_head(lm, draft_vocab, [t for r in references for t in r], draft_ids, seed)
             if draft_vocab else None)
     best, speedup, results = tune_depths(lm, prompts, max_tokens, pairs, None, depths,
-                                         runner_for=lambda i: replayed_runner(references[i], profile, seed, head))
+                                         drafter_for=lambda i: replayed_drafter(lm, references[i], profile, seed, head))
     if not all(s["identical"] for r in results for s in r["settings"].values()):
         raise AssertionError("replayed drafting changed the greedy output")
     return {"prompts": "the code suite's first two", "max_tokens": max_tokens, "pairs": pairs,

@@ -84,10 +84,10 @@ def best_by_cost(costs: dict, acceptance: Sequence[float]) -> int:
     return min(k for k, v in score.items() if v >= (1 - SAME_WITHIN) * top)
 
 
-def resolve_depth(lm: LoadedModel, requested, draft_vocab: Optional[int] = None, runner=None) -> int:
+def resolve_depth(lm: LoadedModel, requested, draft_vocab: Optional[int] = None, drafter=None) -> int:
     """An explicit depth as given; "auto": the stored one, else a cost-model estimate (stored too),
     for drafts scored over `draft_vocab` tokens (draft_vocab.resolve's N; None: the whole vocabulary).
-    `runner` goes to the estimate's acceptance run (engine.generate's seam)."""
+    `drafter` goes to the estimate's acceptance run (engine.generate's seam)."""
     if requested != "auto":
         return int(requested)
     if lm.head is None:
@@ -100,7 +100,7 @@ def resolve_depth(lm: LoadedModel, requested, draft_vocab: Optional[int] = None,
     # are judged, and what `dyno bench`'s default suite measures).
     prompt = lm.tokenizer.encode(ESTIMATE_PROMPT) or [0]
     costs = cost_model(lm, prompt, depths, reps=9, burst=1, draft_vocab=draft_vocab)  # about two seconds
-    acceptance = measured_acceptance(lm, prompt, max(depths), draft_vocab=draft_vocab, runner=runner) or [
+    acceptance = measured_acceptance(lm, prompt, max(depths), draft_vocab=draft_vocab, drafter=drafter) or [
         PRIOR_FIRST * PRIOR_DECAY**i for i in range(MAX_DRAFT_DEPTH)]
     depth = best_by_cost(costs, acceptance)
     store(lm, depth, {"source": "estimate", "cost_model": costs, "acceptance": acceptance}, draft_vocab)
@@ -108,15 +108,15 @@ def resolve_depth(lm: LoadedModel, requested, draft_vocab: Optional[int] = None,
 
 
 def measured_acceptance(lm: LoadedModel, prompt: Sequence[int], depth: int, tokens: int = 64,
-                        draft_vocab: Optional[int] = None, runner=None) -> Optional[list]:
+                        draft_vocab: Optional[int] = None, drafter=None) -> Optional[list]:
     """Acceptance by position (GenerationStats') of one short greedy run at `depth` (None when too few
-    rounds to say): the head's own acceptance instead of the prior. `runner`: as engine.generate's."""
+    rounds to say): the head's own acceptance instead of the prior. `drafter`: as engine.generate's."""
     from ..config import SamplingParams, SpecConfig
     from ..engine import generate
     from ..stats import GenerationStats
 
     stats = GenerationStats()
     spec = SpecConfig("mtp", depth, draft_vocab=draft_vocab)
-    for event in generate(lm, list(prompt), SamplingParams(max_tokens=tokens), spec, runner=runner):
+    for event in generate(lm, list(prompt), SamplingParams(max_tokens=tokens), spec, drafter=drafter):
         stats.add(event)
     return stats.acceptance_by_position() if stats.rounds >= 8 else None

@@ -45,7 +45,9 @@ def is_attention(cache) -> bool:
 def own_rows(cache):
     """An attention layer extracted from a batch with arrays of its own, cut to its offset (a slice of
     the batch's would keep the whole batch's alive); recurrent layers are copied by `owned`."""
-    if is_attention(cache) and cache.keys is not None:
+    if isinstance(cache, ShiftedKVCache):
+        own_rows(cache.rows)
+    elif is_attention(cache) and cache.keys is not None:
         cache.keys = mx.array(cache.keys[..., : cache.offset, :])
         cache.values = mx.array(cache.values[..., : cache.offset, :])
     return cache

@@ -4,9 +4,8 @@ Every row drafts in one head pass per draft position, and all rows are verified 
 of B x (k + 1) tokens; each row accepts by its own rule (row.py) and keeps its own prefix. Rows draft
 at their own depths (ragged): the round drafts as deep as its deepest row, and a shallower row
 accepts only its first k_b drafts (the rest are verified and rolled back, never emitted), as vLLM's
-rejection sampler takes ragged drafts. The caches are the subclass's: one request's own mlx-lm
-caches (engine.Speculator, the one-row case) or batch caches whose row b is request b
-(batched.BatchSpeculator); rollback goes through mlx-lm's cache protocol either way.
+rejection sampler takes ragged drafts. The caches are the driver's (batched.BatchSpeculator):
+batch caches whose row b is request b; rollback goes through mlx-lm's cache protocol.
 """
 
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -78,18 +77,20 @@ class Rounds:
         """Cut the head's caches back to their first `rows` rows."""
         trim_to(self.head_cache, rows)
 
-    def draft_rows(self, k: int) -> Tuple[mx.array, List[Optional[mx.array]]]:
-        """k drafts per row by one head pass per step: ([B, k] tokens, per row [k, V] draft probs or None)."""
+    def draft_rows(self, k: int, projection=None) -> Tuple[mx.array, List[Optional[mx.array]]]:
+        """k drafts per row by one head pass per step: ([B, k] tokens, per row [k, V] draft probs or None);
+        `projection`: the draft step's rows (a DraftLMHead) instead of the round's own."""
+        lm_head = self.draft_lm_head if projection is None else projection
         g = self.head_hidden  # [B, 1, H]
         histories = [r.history() if r.processors else None for r in self.rows]
         shared = [r.plain_greedy for r in self.rows]  # their picks are one argmax
         steps, probs = [], [[] for _ in self.rows]
         for j in range(k):
-            greedy = greedy_token(self.draft_lm_head, g[:, -1]) if any(shared) else None  # [B]
+            greedy = greedy_token(lm_head, g[:, -1]) if any(shared) else None  # [B]
             if all(shared):  # (no per-row slices: a round of greedy rows, the serial engine's usual one)
                 d = greedy
             else:
-                d = self._picks(greedy, self.draft_lm_head(g[:, -1]), histories, steps, probs, j)
+                d = self._picks(greedy, lm_head(g[:, -1]), histories, steps, probs, j)
             steps.append(d)
             if j + 1 < k:  # recurse: each row's draft with the head's own output, position + 1
                 g = self._head(d[:, None], g)

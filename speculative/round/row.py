@@ -23,6 +23,8 @@ class Row:
                  rng_seed: Optional[int] = None):
         """`params`: the request's SamplingParams; `eos`: the token ids that end it; `rng_seed`: the
         unseeded draws' seed (drawn here when None)."""
+        self.id = None  # the request's id in its batch
+        self.head_shift = 0  # head cache positions it joined without (ShiftedKVCache.start)
         self.params = params
         self.depth = depth  # pinned by its request (whatever the others draft); None: the policy's
         self.eos = set(eos)

@@ -15,7 +15,8 @@ from speculative.batched import speculator
 from speculative.batched import BatchSpeculator, Joiner
 from speculative.batched.prefill import prefill_groups, sharing_waves
 from speculative.config import SamplingParams, SpecConfig
-from speculative.engine import Speculator, generate
+from speculative.engine import generate
+from helpers.drafts import drafted
 from speculative.errors import DynoError
 from speculative.events import Provenance, Round, Token
 from speculative.loader import load_checkpoint
@@ -99,7 +100,7 @@ def test_events_fold_as_single_row_events(bundled):
     lm = bundled("dyno-tiny")
     prompt = lm.tokenizer.encode(PROMPTS[2])
     params = SamplingParams(max_tokens=40)
-    single = Speculator(lm, params, 3, 2048)
+    single = drafted(lm, params, 3)  # a batch of one row
     alone = []
     for e in single.run(prompt):
         alone.append(e)
@@ -144,16 +145,10 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=20, max_tokens=40, seed=7)
 
 @pytest.mark.parametrize("depth", [1, 3])
 def test_a_seeded_row_draws_the_same_alone_and_in_a_batch(bundled, depth):
-    """And the same as the single-row speculator with that seed: the row's RNG is its own."""
+    """And the same as plain mlx-lm's seeded text: the row's RNG is its own."""
     lm = bundled("dyno-tiny")
     prompt = lm.tokenizer.encode(PROMPTS[0])
-    single = Speculator(lm, SAMPLED, depth, 2048)
-    reference = []
-    for e in single.run(prompt):
-        if isinstance(e, Token):
-            reference.append(e.id)
-        if len(reference) == SAMPLED.max_tokens:
-            break
+    reference = [e.id for e in generate(lm, prompt, SAMPLED, SpecConfig("off")) if isinstance(e, Token)]
     alone, _ = drive(BatchSpeculator(lm), depth, {0: [("s", prompt, SAMPLED)]})
     other = [("g", lm.tokenizer.encode(PROMPTS[2]), SamplingParams(max_tokens=30)),
              ("t", lm.tokenizer.encode(PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=50))]
@@ -370,13 +365,8 @@ def test_rows_pinned_to_their_own_depths_share_rounds(bundled):
     depths = {name: {e.drafted for e in evs if isinstance(e, Round)} for name, evs in events.items()}
     assert depths["zero"] == set() and depths["one"] == {1} and depths["four"] <= {4} and depths["seeded"] == {2}
     assert depths["free"] == {1, 2, 3}  # the rounds' own depths (its depth-0 rounds drafted for the others)
-    want = []
-    for e in Speculator(lm, seeded, 2, 2048).run(prompts[0]):
-        if isinstance(e, Token):
-            want.append(e.id)
-        if len(want) == seeded.max_tokens or (want and want[-1] in lm.eos_token_ids):
-            break
-    assert tokens(events["seeded"]) == want
+    want = [e.id for e in generate(lm, prompts[0], seeded, SpecConfig("off")) if isinstance(e, Token)]
+    assert tokens(events["seeded"]) == want  # plain mlx-lm's seeded text
 
 
 def next_turn(lm, cache, prompt, n=30):
@@ -536,10 +526,10 @@ def test_rows_joining_together_are_prefilled_together(bundled, monkeypatch):
     for name in set(prompts) - {"raises"}:
         assert got[name] == plain_greedy_prefix(lm, prompts[name], limits[name]), name
 
-    alone = Speculator(lm, SamplingParams(max_tokens=30), 3, 2048)
-    alone.prefill(cold.prompt, None, cold.cuts)
-    assert sorted(checkpoints) == sorted(alone.checkpoints) == sorted(cold.cuts)
-    for at, want in alone.checkpoints.items():
+    alone = drafted(lm, SamplingParams(max_tokens=30), 3)  # prefilled alone
+    next(alone.run(cold.prompt, None, cold.cuts))
+    assert sorted(checkpoints) == sorted(alone.row.checkpoints) == sorted(cold.cuts)
+    for at, want in alone.row.checkpoints.items():
         have = checkpoints[at]
         pairs = [(a, b) for x, y in zip(have.recurrent, want.recurrent) if x is not None for a, b in zip(x, y)]
         assert pairs and all(mx.array_equal(a, b).item() for a, b in pairs + [(have.hidden, want.hidden)]), at

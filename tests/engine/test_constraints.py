@@ -21,7 +21,8 @@ from speculative.config import SamplingParams, SpecConfig
 from speculative.constraints import (
     GrammarProcessor, JsonSchema, ToolCalls, ToolSchema, _common_prefix, combine, constraint_for, tool_call_schema,
 )
-from speculative.engine import Speculator, generate
+from speculative.engine import generate
+from helpers.drafts import drafted as drafted_run
 from speculative.errors import DynoError
 from speculative.events import Round, Token
 from speculative.loader import load_checkpoint
@@ -219,7 +220,7 @@ def test_sampled_distribution_with_drafting_is_plain_decoding(tiny_lm):
         joint = longer
     counts, drafted, accepted = {}, 0, 0
     for seed in range(SAMPLES):
-        spec = Speculator(lm, dataclasses.replace(base, seed=seed), 2, 2048)
+        spec = drafted_run(lm, dataclasses.replace(base, seed=seed), 2)
         tokens, d, a = first_tokens(spec, prompt, LENGTH)
         assert tokens in joint, tokens  # never a token the grammar forbids
         counts[tokens] = counts.get(tokens, 0) + 1

@@ -244,8 +244,8 @@ def test_order_travels_whole():
     """What rank 0 sends is what every rank runs: prompt, every sampling field, drafting, chunking;
     rank 0 draws a random seed when the request has none, which travels beside the request's fields
     (a request's own seed asks for plain mlx-lm's text and its coupled acceptance; a drawn one must not)."""
-    from speculative.distributed import Order, order_for, runner_for
-    from speculative.engine import Speculator
+    from speculative.distributed import Order, order_for
+    from helpers.drafts import drafted
     from speculative.thinking_budget import ThinkingBudget
 
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, max_tokens=9, seed=2**63 + 5,
@@ -258,9 +258,11 @@ def test_order_travels_whole():
     assert Order.decode(unseeded.encode()) == unseeded
     assert order_for((1, 2), params, SpecConfig("mtp", 2), 64).rng_seed is None
     lm = load_checkpoint(BUNDLED_MODEL, mode="mtp")
-    runs = [runner_for(unseeded)(lm, unseeded.params, unseeded.spec, 64) for _ in range(2)]
-    assert all(isinstance(r, Speculator) and r.keys is None for r in runs)  # the lossless min(1, p/q) rule
-    assert mx.array_equal(mx.random.uniform(key=runs[0].key), mx.random.uniform(key=runs[1].key))  # every rank alike
+    runs = [drafted(lm, unseeded.params, 2, 64, rng_seed=unseeded.rng_seed) for _ in range(2)]
+    for r in runs:
+        next(r.run([1, 2]))  # joined: its row made
+    assert all(r.row.keys is None for r in runs)  # the lossless min(1, p/q) rule
+    assert mx.array_equal(mx.random.uniform(key=runs[0].row.key), mx.random.uniform(key=runs[1].row.key))  # every rank alike
 
 
 def test_link_projection():

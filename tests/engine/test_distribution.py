@@ -15,10 +15,11 @@ from mlx_lm.sample_utils import make_sampler
 from scipy.stats import chi2, ncx2
 
 from helpers import tiny_models
-from helpers.distribution import (FALSE_ALARM, chi_square, exact_joint, image_target_dist, mlx_lm_probs,
+from helpers.distribution import (FALSE_ALARM, PARAMS, chi_square, exact_joint, image_target_dist, mlx_lm_probs,
                                   mlx_lm_scores, sample_tokens, target_dist, trunk_logits)
 from speculative.config import SamplingParams
-from speculative.engine import Speculator
+from helpers.drafts import drafted
+from speculative.round.drafter import Drafts
 from speculative.loader import load_checkpoint
 from speculative.round.sampling import warp
 
@@ -102,22 +103,32 @@ def shadow_q(p):
     return 0.8 * support + 0.2 * np.roll(p, 1)
 
 
-class ShadowSpeculator(Speculator):
+class ShadowDrafter:
     """Drafts from q: uniform on p's support, plus some mass off it (every ratio p/q occurs); of the
-    mixtures of p, uniform and roll(p), the one whose wrong rules stray furthest from p."""
+    mixtures of p, uniform and roll(p), the one whose wrong rules stray furthest from p. Each row's p
+    is its own (its context and sampling settings); a greedy row's drafts are drawn the same way."""
 
-    def dist(self, tokens):
-        return target_dist(self.lm, tokens)
+    def __init__(self, lm):
+        self.lm = lm
 
-    def draft(self, k):
-        context = self.context + self.generated
-        drafts, probs = [], []
-        for _ in range(k):
-            q = shadow_q(self.dist(context + drafts))
-            d = mx.random.categorical(mx.log(mx.array(q)), key=self._split()).item()
-            drafts.append(d)
-            probs.append(q)
-        return mx.array(drafts), mx.array(np.stack(probs).astype(np.float32))
+    def dist(self, tokens, params):
+        return target_dist(self.lm, tokens, params)
+
+    def propose(self, rounds, budgets):
+        k = max(budgets)
+        tokens, probs = [], []
+        for row, n in zip(rounds.rows, budgets):
+            context = row.prompt + row.generated
+            drafts, qs = [], []
+            for _ in range(n):
+                q = shadow_q(self.dist(context + drafts, row.params if not row.params.greedy else PARAMS))
+                d = mx.random.categorical(mx.log(mx.array(q)), key=row.split()).item()
+                drafts.append(d)
+                qs.append(q)
+            qs += [qs[-1] if qs else np.full(self.lm.vocab_size, 1 / self.lm.vocab_size)] * (k - n)  # past its length: unread
+            tokens.append(drafts + [0] * (k - n))
+            probs.append(None if row.params.greedy else mx.array(np.stack(qs).astype(np.float32)))
+        return Drafts(mx.array(tokens, dtype=mx.uint32), probs, list(budgets))
 
 
 # The real head's draft path once per projection: the full vocabulary (on the MoE model) and a draft
@@ -128,7 +139,6 @@ def test_first_tokens_follow_the_model(tiny_lm, name, drafter):
     lm = tiny_lm(name)
     prompt = lm.tokenizer.encode("x = ")
     joint = exact_joint(lm, prompt)
-    cls = ShadowSpeculator if drafter == "shadow" else Speculator
     counts, accepted = {}, 0
     n = SAMPLES[drafter]
     for seed in range(n):
@@ -137,8 +147,8 @@ def test_first_tokens_follow_the_model(tiny_lm, name, drafter):
         random.seed(seed)
         params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3)
         # draft-vocab: the head drafts from half the vocabulary; q is zero on the other half
-        spec = cls(lm, params, 2, 2048, DRAFT_VOCAB if drafter == "draft-vocab" else None)
-        spec.lm, spec.context = lm, prompt
+        spec = drafted(lm, params, 2, draft_vocab=DRAFT_VOCAB if drafter == "draft-vocab" else None,
+                       drafter=ShadowDrafter(lm) if drafter == "shadow" else None)
         tokens, _, acc = sample_tokens(spec, prompt, 3)
         accepted += acc
         counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
@@ -159,11 +169,15 @@ VL_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>x = "
 IMAGE_SAMPLES = {"shadow": 300, "mtp-head": 200}
 
 
-class ImageShadowSpeculator(ShadowSpeculator):
-    """The shadow drafter, its p the image prompt's (the speculator's own VisionInput, set by prefill)."""
+class ImageShadowDrafter(ShadowDrafter):
+    """The shadow drafter, its p the image prompt's (`vision`: its VisionInput)."""
 
-    def dist(self, tokens):
-        return image_target_dist(self.lm, self.vision, tokens)
+    def __init__(self, lm, vision):
+        super().__init__(lm)
+        self.vision = vision
+
+    def dist(self, tokens, params):
+        return image_target_dist(self.lm, self.vision, tokens, params)
 
 
 @pytest.fixture(scope="module")
@@ -183,19 +197,18 @@ def test_first_tokens_with_an_image_follow_the_model(image_case, drafter):
     """Drafts, verify rows and corrections past an image's rows (at offset + rope delta) keep plain
     sampling's distribution, with the shadow drafter (every ratio p/q) and the real head."""
     lm, prompt, vision, joint = image_case
-    cls = ImageShadowSpeculator if drafter == "shadow" else Speculator
-    counts, accepted, drafted = {}, 0, 0
+    counts, accepted, drafts = {}, 0, 0
     n = IMAGE_SAMPLES[drafter]
     for seed in range(n):
         random.seed(seed)  # the unseeded engine's own key: the lossless rule
-        spec = cls(lm, SamplingParams(temperature=1.0, top_k=3, max_tokens=3), 2, 2048)
-        spec.lm, spec.context = lm, prompt
+        spec = drafted(lm, SamplingParams(temperature=1.0, top_k=3, max_tokens=3), 2,
+                       drafter=ImageShadowDrafter(lm, vision) if drafter == "shadow" else None)
         tokens, d, acc = sample_tokens(spec, prompt, 3, vision)
-        accepted, drafted = accepted + acc, drafted + d
+        accepted, drafts = accepted + acc, drafts + d
         counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
     stat, dof = chi_square(counts, joint, n)
     assert stat < chi2.isf(FALSE_ALARM, dof), (stat, dof)
-    assert drafted >= n  # every sample drafted past the image
+    assert drafts >= n  # every sample drafted past the image
     if drafter == "shadow":
         assert accepted > 0.5 * n  # the accept branch was exercised, not only corrections
 
@@ -250,25 +263,32 @@ LONG_TOKENS = 6
 DRAFT_NOISE = 1.0  # q differs from p enough that rejections and residual draws are common
 
 
-class TrunkDrafter(Speculator):
-    """Drafts through the engine's own processors and warp (`_pick`) from the trunk's logits for
+class TrunkDrafter:
+    """Drafts through the engine's own processors and warp (Row.pick) from the trunk's logits for
     the next position plus noise in the model's dtype, reused for every draft of the round: the
     first draft is often kept, later ones often corrected (the random head's are almost never kept).
-    Only committed prefixes are forwarded, the same ones the reference needs."""
+    Only committed prefixes are forwarded, the same ones the reference needs. Sampled rows only."""
 
-    def draft(self, k):
-        history = self._history() if self.processors else None
-        base = trunk_logits(self.lm, self.prompt + self.generated)
-        drafts, probs = [], []
-        for j in range(k):
-            noise = DRAFT_NOISE * mx.random.normal(base.shape, key=self._split())
-            logits = base + noise.astype(base.dtype)
-            if history is not None:
-                logits = self.processors.row(logits, history, mx.concatenate(drafts) if drafts else None)
-            d, q = self._pick(logits, j)
-            drafts.append(d)
-            probs.append(q)
-        return mx.concatenate(drafts), mx.concatenate(probs)
+    def __init__(self, lm):
+        self.lm = lm
+
+    def propose(self, rounds, budgets):
+        tokens, probs = [], []
+        for row, k in zip(rounds.rows, budgets):
+            history = row.history() if row.processors else None
+            base = trunk_logits(self.lm, row.prompt + row.generated)
+            drafts, qs = [], []
+            for j in range(k):
+                noise = DRAFT_NOISE * mx.random.normal(base.shape, key=row.split())
+                logits = base + noise.astype(base.dtype)
+                if history is not None:
+                    logits = row.processors.row(logits, history, mx.concatenate(drafts) if drafts else None)
+                d, q = row.pick(logits, j)
+                drafts.append(d)
+                qs.append(q)
+            tokens.append(mx.concatenate(drafts))
+            probs.append(mx.concatenate(qs))
+        return Drafts(mx.stack(tokens), probs, list(budgets))
 
 
 @pytest.fixture(scope="module")
@@ -320,15 +340,14 @@ def test_six_tokens_follow_the_model(low_precision_lm, setting, rule):
     depth, n, base = SETTINGS[setting]
     lm = low_precision_lm(setting)
     prompt = lm.tokenizer.encode("x = ")
-    samples, drafted, accepted = [], 0, 0
+    samples, n_drafted, accepted = [], 0, 0
     for seed in range(n):
         random.seed(seed)  # the unseeded engine's own key
         params = dataclasses.replace(base, seed=seed if rule == "seeded" else None, max_tokens=LONG_TOKENS)
-        spec = TrunkDrafter(lm, params, depth, 2048)
-        spec.lm = lm
+        spec = drafted(lm, params, depth, drafter=TrunkDrafter(lm))
         tokens, d, a = sample_tokens(spec, prompt, LONG_TOKENS)
         samples.append(tokens)
-        drafted, accepted = drafted + d, accepted + a
+        n_drafted, accepted = n_drafted + d, accepted + a
     total, dof = 0.0, 0
     for j in range(LONG_TOKENS):
         rows = np.stack([target_dist(lm, prompt + s[:j], base) for s in samples])
@@ -338,7 +357,7 @@ def test_six_tokens_follow_the_model(low_precision_lm, setting, rule):
         stat, cells = step_statistic(rows, observed, [tuple(s[:j]) for s in samples])
         total, dof = total + stat, dof + cells
     assert dof >= 10 and total < chi2.isf(FALSE_ALARM, dof), (total, dof)
-    assert 0.1 * drafted < accepted < 0.9 * drafted  # both branches ran, over several rounds each
+    assert 0.1 * n_drafted < accepted < 0.9 * n_drafted  # both branches ran, over several rounds each
 
 
 def test_seeded_runs_are_reproducible(tiny_lm):
@@ -347,7 +366,7 @@ def test_seeded_runs_are_reproducible(tiny_lm):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=7)
 
     def run():
-        steps = Speculator(lm, params, 3, 2048).run(prompt)
+        steps = drafted(lm, params, 3).run(prompt)
         return [e.id for e in itertools.islice((e for e in steps if hasattr(e, "id")), 40)]
 
     assert run() == run()

@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 
 from speculative.config import SamplingParams
-from speculative.engine import Speculator
+from speculative.round.row import Row
 from speculative.round.sampling import draft_params, warp
 
 
@@ -21,9 +21,9 @@ def test_top_p_is_dropped_only_under_top_k():
 def test_drafts_are_drawn_from_the_top_k_warp(tiny_lm):
     lm = tiny_lm()
     params = SamplingParams(temperature=1.0, top_p=0.5, top_k=3)  # unseeded: seeded drafts take p's own warp
-    spec = Speculator(lm, params, 2, 2048)
+    spec = Row(params, lm.eos_token_ids, lm.vocab_size)
     row = mx.full((1, lm.vocab_size), -30.0).at[0, :4].add(mx.array([33.0, 32.0, 31.0, 30.5]))
-    token, q = spec._pick(row)
+    token, q = spec.pick(row)
     q = np.array(q[0])
     # top-p 0.5 alone would keep token 0 only; q keeps the top-k three, as the tempered softmax
     assert np.count_nonzero(q) == 3 and int(token.item()) in (0, 1, 2)

@@ -6,19 +6,20 @@ import random
 import pytest
 import mlx.core as mx
 
-from helpers.drafts import recording_runner, replay
+from helpers.drafts import drafted, recording_drafter, replay
 from helpers.reference import plain_greedy_prefix
 from helpers.tiny_models import CONFIGS
 from speculative.config import SamplingParams, SpecConfig
-from speculative.engine import Speculator, generate
+from speculative.engine import generate
+from speculative.round.drafter import Drafts
 from speculative.events import Provenance, Round, Token
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 
 
-def run(lm, prompt, depth, n=200, prefill_step=2048, runner=None):
+def run(lm, prompt, depth, n=200, prefill_step=2048, drafter=None):
     events = list(generate(lm, prompt, SamplingParams(max_tokens=n), SpecConfig("mtp", depth),
-                           prefill_step=prefill_step, runner=runner))
+                           prefill_step=prefill_step, drafter=drafter))
     return [e for e in events if isinstance(e, Token)], [e for e in events if isinstance(e, Round)]
 
 
@@ -41,7 +42,7 @@ def test_greedy_equals_mlx_lm(tiny_lm, name, depth):
     lm = tiny_lm(name)
     prompt = lm.tokenizer.encode(PROMPT)
     drafts = []
-    tokens, rounds = run(lm, prompt, depth, runner=recording_runner(drafts))
+    tokens, rounds = run(lm, prompt, depth, drafter=recording_drafter(drafts))
     reference = plain_greedy_prefix(lm, prompt, LONGEST, stop_at_eos=False)[: 200 + depth]  # the last round looks ahead
     assert [t.id for t in tokens] == reference[:200]
     # Exact accounting: one round per draft, each keeping what the rule replayed on its drafts keeps
@@ -72,21 +73,20 @@ def test_off_mode_is_plain_mlx_lm(tiny_lm):
     assert {t.provenance for t in tokens} == {Provenance.PLAIN}
 
 
-class ScriptedSpeculator(Speculator):
+class ScriptedDrafter:
     """Drafts from a known continuation, each draft right or off by one as `right()` says, so that
     how many each round keeps is known before the trunk sees it: the leading run of right ones."""
 
-    def __init__(self, *args, reference, right, **kw):
-        super().__init__(*args, **kw)
-        self.reference, self.right, self.script = reference, right, []
+    def __init__(self, reference, right, vocab):
+        self.reference, self.right, self.vocab, self.script = reference, right, vocab, []
 
-    def draft(self, k):
-        start = len(self.generated)
+    def propose(self, rounds, budgets):
+        (row,), (k,) = rounds.rows, budgets
+        start = len(row.generated)
         ref = (self.reference + [0] * k)[start : start + k]
         flags = [self.right() for _ in ref]
         self.script.append(flags)
-        vocab = self.target.args.vocab_size
-        return mx.array([t if ok else (t + 1) % vocab for t, ok in zip(ref, flags)]), None
+        return Drafts(mx.array([[t if ok else (t + 1) % self.vocab for t, ok in zip(ref, flags)]]), [None], [k])
 
 
 def leading_right(flags):
@@ -103,15 +103,14 @@ def test_scripted_heads_keep_exactly_their_right_prefix(tiny_lm, script):
     prompt = lm.tokenizer.encode(PROMPT)
     reference = plain_greedy_prefix(lm, prompt, 121, stop_at_eos=False)
     depth, rng = 4, random.Random(0)
-    spec = ScriptedSpeculator(lm, SamplingParams(max_tokens=121), depth, 2048, reference=reference,
-                              right=lambda: SCRIPTS[script](rng))
-    steps = spec.run(prompt)
+    drafter = ScriptedDrafter(reference, lambda: SCRIPTS[script](rng), lm.vocab_size)
+    steps = drafted(lm, SamplingParams(max_tokens=121), depth, drafter=drafter).run(prompt)
     tokens, rounds = [], []
     while len(tokens) < 121:
         e = next(steps)
         (rounds if isinstance(e, Round) else tokens).append(e)
     assert [t.id for t in tokens[:121]] == reference
-    kept = [leading_right(flags) for flags in spec.script]
+    kept = [leading_right(flags) for flags in drafter.script]
     assert [(r.drafted, r.accepted) for r in rounds] == [(depth, a) for a in kept]
     assert [t.provenance for t in tokens] == provenance(kept, depth)[: len(tokens)]
     assert sum(a + 1 for a in kept[:-1]) + 1 < 121 <= sum(a + 1 for a in kept) + 1  # no round too many

@@ -12,7 +12,9 @@ import pytest
 from dyno_ui.options import parse_size
 from helpers.reference import plain_greedy
 from speculative.config import SamplingParams, SpecConfig
-from speculative.engine import Speculator, generate
+from speculative.engine import generate
+from speculative.round.drafter import Drafts
+from helpers.drafts import drafted as drafted_run
 from speculative.events import Done, Round, Token
 from speculative.prompt_cache.store import (
     PrefixCache, PrefixEntry, ShiftedKVCache, thin,
@@ -135,23 +137,23 @@ def test_a_stop_or_a_close_keeps_the_state_the_consumer_received(tiny_lm, mode):
     assert warm == plain_greedy(lm, follow, 10)
 
 
-class OracleSpeculator(Speculator):
+class OracleDrafter:
     """Drafts the true continuation, so every round is fully accepted and stops land mid-round."""
 
-    def __init__(self, *args, reference, **kw):
-        super().__init__(*args, **kw)
+    def __init__(self, reference):
         self.reference = reference
 
-    def draft(self, k):
-        start = len(self.generated)
-        return mx.array((self.reference + [0] * k)[start : start + k]), None
+    def propose(self, rounds, budgets):
+        (row,), (k,) = rounds.rows, budgets
+        start = len(row.generated)
+        return Drafts(mx.array([(self.reference + [0] * k)[start : start + k]]), [None], [k])
 
 
 def assert_same_cache(got, want, what):
     """Attention KV: same offset and rows; Gated DeltaNet: same conv window and recurrent state."""
     if hasattr(want, "offset"):
-        n = want.offset
-        assert got.offset == n, what
+        n = int(mx.array(want.offset).reshape(-1)[0])  # (a one-row batch cache's offset is an array)
+        assert int(mx.array(got.offset).reshape(-1)[0]) == n, what
         pairs = [(got.keys[..., :n, :], want.keys[..., :n, :]), (got.values[..., :n, :], want.values[..., :n, :])]
     else:
         pairs = [(got[0], want[0]), (got[1], want[1])]
@@ -160,7 +162,7 @@ def assert_same_cache(got, want, what):
 
 
 def take_tokens(steps, n, after_round=False):
-    """The first n token ids of a Speculator.run stream, then close it (as a consumer that stops);
+    """The first n token ids of a DraftedRun.run stream, then close it (as a consumer that stops);
     `after_round`: also read the next Round event (a consumer that stops before its tokens)."""
     out = []
     while len(out) < n:
@@ -180,7 +182,7 @@ def test_settle_handles_a_stop_inside_a_round(tiny_lm, emitted, after_round):
     lm = tiny_lm()
     prompt = lm.tokenizer.encode(TURNS[0])
     reference = plain_greedy(lm, prompt, 20, stop_at_eos=False)
-    first = OracleSpeculator(lm, SamplingParams(max_tokens=20), 4, 2048, reference=reference)
+    first = drafted_run(lm, SamplingParams(max_tokens=20), 4, drafter=OracleDrafter(reference))
     got = take_tokens(first.run(prompt), emitted, after_round)
     assert got == reference[:emitted]
     entry = first.settle(emitted)
@@ -189,10 +191,11 @@ def test_settle_handles_a_stop_inside_a_round(tiny_lm, emitted, after_round):
     assert entry.head_cache[0].offset == len(entry.tokens) - 1
 
     follow = prompt + got + lm.tokenizer.encode(TURNS[1])
-    warm, cold = (Speculator(lm, SamplingParams(max_tokens=25), 3, 2048) for _ in range(2))
+    warm, cold = (drafted_run(lm, SamplingParams(max_tokens=25), 3) for _ in range(2))
     warm_steps, cold_steps = warm.run(follow, resume=entry.hand_over(head_layers=1)), cold.run(follow)
     assert next(warm_steps) == next(cold_steps)  # both prefilled: their caches must agree
-    for i, (w, c) in enumerate(zip(warm.trunk_cache + warm.head_cache, cold.trunk_cache + cold.head_cache)):
+    w, c = warm.batch, cold.batch
+    for i, (w, c) in enumerate(zip(w.trunk_cache + w.head_cache, c.trunk_cache + c.head_cache)):
         assert_same_cache(w, c, f"layer {i}")
     tokens = [warm.generated[0]] + take_tokens(warm_steps, 24)
     assert tokens == plain_greedy(lm, follow, 25, stop_at_eos=False)

@@ -7,7 +7,7 @@ import pytest
 from speculative.config import SamplingParams, SpecConfig
 from speculative.errors import DynoError
 from speculative.measure.bench import run_dyno, run_mlx_lm
-from speculative.measure.replay import parse_profile, replayed_runner
+from speculative.measure.replay import ReplayedDrafter, parse_profile, replayed_drafter
 
 PROMPT = [5, 17, 101, 42, 7]
 
@@ -18,7 +18,7 @@ def test_replay_is_exact_and_follows_the_profile(tiny_lm, depth, profile):
     n = 240
     reference = run_mlx_lm(lm, PROMPT, SamplingParams(max_tokens=n + depth)).tokens
     run = run_dyno(lm, PROMPT, SamplingParams(max_tokens=n), SpecConfig("mtp", depth, None),
-                   runner=replayed_runner(reference, profile, seed=1))
+                   drafter=replayed_drafter(lm, reference, profile, seed=1))
     assert run.tokens == reference[:n]
     drafted = run.stats.drafted_per_position
     for p, got, rounds in zip(profile, run.stats.acceptance_by_position(), drafted):
@@ -46,23 +46,20 @@ def test_replay_over_a_draft_vocabulary_drafts_from_it(tiny_lm, ids):
     subset = draft_subset(lm.tokenizer, vocab, 96, first=reference, ids=ids, seed=3)
     assert len(subset) == 96 and set(reference) <= set(subset)
     head = DraftLMHead(lm_head_module(lm.target), subset, vocab)
-    drafted, made = [], []
+    drafted, projections = [], []
 
-    def runner(*args):
-        speculator = replayed_runner(reference, (0.9, 0.7, 0.5), seed=1, draft_head=head)(*args)
-        own = speculator.draft
+    class Recording(ReplayedDrafter):
+        def propose(self, rounds, budgets):
+            out = super().propose(rounds, budgets)
+            drafted.extend(out.tokens[0].tolist())
+            return out
 
-        def draft(k):
-            drafts, probs = own(k)
-            drafted.extend(drafts.tolist())
-            return drafts, probs
-        speculator.draft = draft
-        made.append(speculator)
-        return speculator
-
-    run = run_dyno(lm, PROMPT, SamplingParams(max_tokens=n), SpecConfig("mtp", depth, None), runner=runner)
+    greedy = head.greedy  # the subset's greedy draft step: counted, to show the drafts go through it
+    head.greedy = lambda hidden: projections.append(hidden.shape) or greedy(hidden)
+    drafter = Recording({None: reference}, (0.9, 0.7, 0.5), lm.vocab_size, seed=1, draft_head=head, row_seeds=False)
+    run = run_dyno(lm, PROMPT, SamplingParams(max_tokens=n), SpecConfig("mtp", depth, None), drafter=drafter)
     assert run.tokens == reference[:n]
-    assert made[0].draft_lm_head is head  # the draft step's projection is the subset's rows
+    assert projections  # the draft step projected through the subset's rows
     assert drafted and set(drafted) <= set(subset)
     assert run.stats.acceptance_by_position()[0] > 0.5  # the subset holds the reference: right drafts are drafted
 

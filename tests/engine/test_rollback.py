@@ -7,23 +7,23 @@ import pytest
 
 import speculative.target as target_mod
 from helpers.reference import plain_greedy
+from speculative.batched import BatchSpeculator
 from speculative.config import SamplingParams
-from speculative.engine import Speculator
+from speculative.events import Round
+from speculative.round.drafter import Drafts
 
 
-class CoinFlipSpeculator(Speculator):
+class CoinFlipDrafter:
     """Drafts the reference token or a wrong one at random, so acceptance takes every value."""
 
-    def __init__(self, *args, reference, rng, **kw):
-        super().__init__(*args, **kw)
-        self.reference, self.rng = reference, rng
+    def __init__(self, reference, rng, vocab):
+        self.reference, self.rng, self.vocab = reference, rng, vocab
 
-    def draft(self, k):
-        start = len(self.generated)
-        out = []
-        for t in self.reference[start : start + k]:
-            out.append(t if self.rng.random() < 0.75 else (t + 1) % self.target.args.vocab_size)
-        return mx.array(out), None
+    def propose(self, rounds, budgets):
+        (row,), (k,) = rounds.rows, budgets
+        start = len(row.generated)
+        out = [t if self.rng.random() < 0.75 else (t + 1) % self.vocab for t in self.reference[start : start + k]]
+        return Drafts(mx.array([out]), [None], [k])
 
 
 class FreshRun:
@@ -57,11 +57,17 @@ def assert_same(got, want, what):
     assert mx.array_equal(got, want).item(), f"{what}: differs by up to {mx.abs(got - want).max().item():.3g}"
 
 
+def offset(cache) -> int:
+    """A cache's position (a one-row batch cache's offset is a [1] array)."""
+    return int(mx.array(cache.offset).reshape(-1)[0])
+
+
 def assert_caches_equal(spec, trunk, head_cache):
+    """A one-row batch's caches (at width 1 rollback trims: no left padding) against `trunk`'s and `head_cache`'s."""
     assert len(spec.trunk_cache) == len(trunk)
     for i, (got, want) in enumerate(zip(spec.trunk_cache, trunk)):
         if hasattr(want, "offset"):  # attention KV: rows past the offset are free space
-            assert got.offset == want.offset, f"layer {i} offset"
+            assert offset(got) == want.offset, f"layer {i} offset"
             n = want.offset
             assert_same(got.keys[..., :n, :], want.keys[..., :n, :], f"layer {i} keys")
             assert_same(got.values[..., :n, :], want.values[..., :n, :], f"layer {i} values")
@@ -69,7 +75,7 @@ def assert_caches_equal(spec, trunk, head_cache):
             assert_same(got[0], want[0], f"layer {i} conv state")
             assert_same(got[1], want[1], f"layer {i} recurrent state")
     (got,), (want,) = spec.head_cache, head_cache
-    assert got.offset == want.offset, "head offset"
+    assert offset(got) == want.offset, "head offset"
     assert_same(got.keys[..., : want.offset, :], want.keys[..., : want.offset, :], "head keys")
     assert_same(got.values[..., : want.offset, :], want.values[..., : want.offset, :], "head values")
 
@@ -82,15 +88,14 @@ def test_rollback_matches_fresh_run(tiny_lm, monkeypatch, name, path):
     lm = tiny_lm(name)
     prompt = lm.tokenizer.encode("import os\nimport sys\n\n")
     reference = plain_greedy(lm, prompt, 80, stop_at_eos=False)
-    spec = CoinFlipSpeculator(lm, SamplingParams(max_tokens=80), 3, 2048, reference=reference,
-                              rng=random.Random(0))
-    steps = spec.run(prompt)
-    next(steps)  # the prefill token
+    spec = BatchSpeculator(lm, drafter=CoinFlipDrafter(reference, random.Random(0), lm.vocab_size))
+    spec.join("r", prompt, SamplingParams(max_tokens=80))  # the prefill token
+    (row,) = spec.rows
     fresh = FreshRun(lm, prompt)
     seen = set()
-    while len(spec.generated) < 60:
-        accepted, _ = spec.step()
-        seen.add(len(accepted))
-        assert spec.generated == reference[: len(spec.generated)]
-        assert_caches_equal(spec, *fresh.caches(prompt + spec.generated))
+    while len(row.generated) < 60:
+        (r,) = [e for e in spec.step(3)["r"].events if isinstance(e, Round)]
+        seen.add(r.accepted)
+        assert row.generated == reference[: len(row.generated)]
+        assert_caches_equal(spec, *fresh.caches(prompt + row.generated))
     assert seen == {0, 1, 2, 3}  # every rollback length was exercised

@@ -9,7 +9,8 @@ import pytest
 from dyno_ui.paths import BUNDLED_MODEL
 from helpers.drafts import rounds_with_tokens
 from speculative.config import SamplingParams, SpecConfig
-from speculative.engine import Speculator, generate
+from speculative.engine import generate
+from helpers.drafts import recording_drafter
 from speculative.errors import DynoError
 from speculative.events import Provenance, Round, Token
 from speculative.loader import load_checkpoint
@@ -24,9 +25,9 @@ def lm():
     return load_checkpoint(BUNDLED_MODEL)  # its trained head drafts tokens the trunk accepts and refuses
 
 
-def events(lm, params, details, depth=3, runner=None):
+def events(lm, params, details, depth=3, drafter=None):
     prompt = lm.tokenizer.encode(PROMPT)
-    return list(generate(lm, prompt, params, SpecConfig("mtp", depth, details=details), runner=runner))
+    return list(generate(lm, prompt, params, SpecConfig("mtp", depth, details=details), drafter=drafter))
 
 
 def tokens(evs):
@@ -55,16 +56,10 @@ def test_sampled_output_with_details_equals_without_at_one_seed(lm):
 
 
 def test_round_drafts_are_the_verified_drafts(lm):
-    verified = []
-
-    class Recording(Speculator):  # the runner seam: records the drafts each step hands the verify pass
-        def queue_drafts(self):
-            queued = super().queue_drafts()
-            verified.append(queued[0].tolist())
-            return queued
-
+    verified = []  # the drafts the drafter handed each round's verify pass
     params = SamplingParams(max_tokens=N)
-    evs = events(lm, params, False, runner=lambda lm, p, spec, step: Recording(lm, p, spec.draft_depth, step))
+    evs = events(lm, params, False, drafter=recording_drafter(verified))
+    verified = [d.tolist() for d in verified]
     pairs = rounds_with_tokens(evs)
     assert [list(r.drafts) for r, _ in pairs] == verified[: len(pairs)]
     rejected = 0

@@ -104,7 +104,7 @@ def test_stats_and_metrics_report_the_same_figures():
 def test_the_bench_reports_the_same_figures(monkeypatch):
     stats = folded(stream())
     monkeypatch.setattr(bench, "run_mlx_lm", lambda lm, prompt, params: Run(stats.tokens, 10.0, 0.1))
-    monkeypatch.setattr(bench, "run_dyno", lambda lm, prompt, params, spec, runner=None: Run(stats.tokens, 20.0, 0.1, folded(stream())))
+    monkeypatch.setattr(bench, "run_dyno", lambda lm, prompt, params, spec, drafter=None: Run(stats.tokens, 20.0, 0.1, folded(stream())))
     res = paired_benchmark(None, [1], SamplingParams(), depths=[3], pairs=2, with_off=False)
     s = res["settings"]["mtp@3"]
     assert s["tokens_per_round"] == pytest.approx(TOKENS_PER_ROUND)

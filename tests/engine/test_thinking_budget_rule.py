@@ -14,7 +14,8 @@ from dyno_ui.paths import BUNDLED_MODEL
 from helpers.distribution import FALSE_ALARM, chi_square, sample_tokens, target_dist
 from speculative.batched import BatchSpeculator
 from speculative.config import SamplingParams, SpecConfig
-from speculative.engine import Speculator, generate
+from speculative.engine import generate
+from helpers.drafts import drafted
 from speculative.events import Token
 from speculative.loader import load_checkpoint
 from speculative.thinking_budget import CLOSING_PHRASE, BudgetProcessor, ThinkingBudget, budget_for
@@ -165,7 +166,7 @@ def test_sampled_drafting_follows_plain_sampling_under_a_budget(lm):
     counts = {}
     for seed in range(SAMPLES):
         params = dataclasses.replace(SAMPLED, max_tokens=length, seed=seed, thinking_budget=spec)
-        out, _, _ = sample_tokens(Speculator(lm, params, 3, 2048), prompt, length)
+        out, _, _ = sample_tokens(drafted(lm, params, 3), prompt, length)
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     assert set(counts) <= set(joint)  # nothing plain sampling under the budget never draws
     stat, dof = chi_square(counts, joint, SAMPLES)

@@ -5,7 +5,7 @@ import os
 
 from helpers.reference import plain_greedy
 from helpers.run import dyno
-from helpers.drafts import recording_runner, replay
+from helpers.drafts import recording_drafter, replay
 from speculative.measure.tuning import best_by_cost, expected_tokens_per_round
 
 
@@ -68,7 +68,7 @@ def test_estimate_weighs_depths_by_the_heads_measured_acceptance(monkeypatch, tm
     lm = load_checkpoint(BUNDLED_MODEL, mode="mtp")
     monkeypatch.setenv("DYNO_CACHE", str(tmp_path))
     drafts = []
-    depth = resolve_depth(lm, "auto", runner=recording_runner(drafts))
+    depth = resolve_depth(lm, "auto", drafter=recording_drafter(drafts))
     (entry,) = json.loads((tmp_path / "tune.json").read_text()).values()
 
     prompt, tokens, k = lm.tokenizer.encode(ESTIMATE_PROMPT), 64, 4  # measured_acceptance's run

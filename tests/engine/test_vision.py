@@ -9,7 +9,8 @@ import pytest
 
 from helpers import vision_models
 from speculative.config import SamplingParams, SpecConfig
-from speculative.engine import Speculator, generate
+from speculative.engine import generate
+from speculative.round.drafter import HeadDrafter
 from speculative.errors import DynoError
 from speculative.events import Round, Token
 from speculative.loader import load_checkpoint
@@ -54,21 +55,23 @@ def test_positions_rope_delta_and_prompt_logits_are_mlx_vlms(vl, reference):
     assert mx.max(mx.abs(sequential - reference["logits"])).item() > 1e-2
 
 
-class CoinSpeculator(Speculator):
+class CoinDrafter(HeadDrafter):
     """The real head drafts (its rows at the image's positions), then each draft is made plain greedy's
     own token or a wrong one by a seeded coin: rounds keep some drafts and roll back the rest."""
 
-    def __init__(self, *args, reference, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.reference, self.rng, self.kept = reference, random.Random(0), []
+    def __init__(self, reference, vocab):
+        super().__init__()
+        self.reference, self.vocab, self.rng, self.kept = reference, vocab, random.Random(0), []
 
-    def draft(self, k):
-        super().draft(k)
-        start = len(self.generated)
+    def propose(self, rounds, budgets):
+        drafts = super().propose(rounds, budgets)  # (computed, then replaced: the head's rows still run)
+        (row,), (k,) = rounds.rows, budgets
+        start = len(row.generated)
         ref = (self.reference + [0] * k)[start:start + k]
         flags = [self.rng.random() < 0.6 for _ in ref]
         self.kept.append(next((i for i, ok in enumerate(flags) if not ok), k))
-        return mx.array([t if ok else (t + 1) % self.target.args.vocab_size for t, ok in zip(ref, flags)]), None
+        mx.eval(drafts.tokens)
+        return drafts._replace(tokens=mx.array([[t if ok else (t + 1) % self.vocab for t, ok in zip(ref, flags)]]))
 
 
 def tokens(events):
@@ -82,15 +85,10 @@ def test_greedy_with_an_image_drafts_exactly_at_every_depth(vl):
     plain = tokens(generate(lm, ids, params, SpecConfig(mode="off"), vision=vision))
     assert len(plain) == 48
     for depth in (1, 2, 3):
-        made = []
-
-        def runner(lm, params, spec, prefill_step):
-            made.append(CoinSpeculator(lm, params, spec.draft_depth, prefill_step, reference=plain))
-            return made[-1]
-
-        out = tokens(generate(lm, ids, params, SpecConfig(mode="mtp", draft_depth=depth), runner=runner, vision=vision))
+        coin = CoinDrafter(plain, lm.vocab_size)
+        out = tokens(generate(lm, ids, params, SpecConfig(mode="mtp", draft_depth=depth), drafter=coin, vision=vision))
         assert out == plain, depth
-        assert 0 in made[0].kept and depth in made[0].kept  # drafts rejected (rollback) and all kept
+        assert 0 in coin.kept and depth in coin.kept  # drafts rejected (rollback) and all kept
     # The head's own drafts under auto, as a user runs it.
     events = list(generate(lm, ids, params, SpecConfig(mode="auto", draft_depth=2), vision=vision))
     assert tokens(events) == plain

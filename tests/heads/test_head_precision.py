@@ -20,7 +20,8 @@ from dyno_ui import cli
 from helpers.fake_hub import FakeHub
 from helpers.run import python
 from speculative.config import SamplingParams, SpecConfig
-from speculative.engine import Speculator, generate
+from speculative.engine import generate
+from helpers.drafts import drafted as drafted_run
 from speculative.events import Round, Token
 from speculative.loader import load_checkpoint
 from speculative.heads.mtp import MTPHead
@@ -230,7 +231,7 @@ def test_distribution_with_a_quantized_head(bundled_4bit):
     joint = exact_joint(lm, prompt)
     counts, drafted, accepted, n = {}, 0, 0, 150
     for seed in range(n):
-        spec = Speculator(lm, SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=seed), 2, 2048)
+        spec = drafted_run(lm, SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=seed), 2)
         tokens, d, a = sample_tokens(spec, prompt, 3)
         counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
         drafted, accepted = drafted + d, accepted + a

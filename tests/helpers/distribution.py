@@ -112,9 +112,22 @@ def chi_square(counts, joint, n):
     return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
 
 
+class PastEos:
+    """A LoadedModel whose generations go on past EOS, as the exact references do."""
+
+    eos_token_ids = frozenset()
+
+    def __init__(self, lm):
+        self._lm = lm
+
+    def __getattr__(self, name):
+        return getattr(self._lm, name)
+
+
 def sample_tokens(spec, prompt, n, vision=None):
-    """The first n tokens a speculator emits after `prompt` (with `vision`: its images), and how many
-    drafts it made and kept."""
+    """The first n tokens a speculative run (engine.DraftedRun) emits after `prompt` (with `vision`:
+    its images), past EOS, and how many drafts it made and kept."""
+    spec.batch.lm = PastEos(spec.batch.lm)
     tokens, drafted, accepted = [], 0, 0
     for e in (spec.run(prompt) if vision is None else spec.run(prompt, vision=vision)):
         if isinstance(e, Token):

@@ -1,26 +1,34 @@
 """The drafts a speculative run made, and the greedy rule replayed by hand over them."""
 
-from speculative.engine import Speculator
+from speculative.config import SpecConfig
+from speculative.engine import DraftedRun
 from speculative.events import Round, Token
+from speculative.round.drafter import HeadDrafter
 
 
-class RecordingSpeculator(Speculator):
-    """A Speculator that appends its [k] draft tokens, one array per round, to `log`."""
+class RecordingDrafter(HeadDrafter):
+    """The MTP head, appending each round's [k] draft tokens (row 0's), one array per round, to `log`."""
 
-    def __init__(self, *args, log: list, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, log: list):
+        super().__init__()
         self.log = log
 
-    def draft(self, k):
-        tokens, probs = super().draft(k)
-        self.log.append(tokens)
-        return tokens, probs
+    def propose(self, rounds, budgets):
+        drafts = super().propose(rounds, budgets)
+        self.log.append(drafts.tokens[0, : drafts.lengths[0]])
+        return drafts
 
 
-def recording_runner(log: list):
-    """engine.generate's `runner=`: a RecordingSpeculator appending to `log`."""
-    return lambda lm, params, spec, prefill_step: RecordingSpeculator(
-        lm, params, spec.draft_depth, prefill_step, spec.draft_vocab, log=log)
+def recording_drafter(log: list):
+    """engine.generate's `drafter=`: the head, recording its drafts in `log`."""
+    return RecordingDrafter(log)
+
+
+def drafted(lm, params, depth, prefill_step=2048, draft_vocab=None, drafter=None, details=False, rng_seed=None):
+    """One speculative generation (engine.DraftedRun: the driver at width 1) to run by hand:
+    `.run(prompt)` yields its events, `.settle(n)` its state."""
+    return DraftedRun(lm, params, SpecConfig("mtp", depth, draft_vocab, details), prefill_step, drafter,
+                      rng_seed=rng_seed)
 
 
 def replay(drafts, reference, n):
