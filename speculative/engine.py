@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from .batched import BatchSpeculator, Joiner, Leaving
+from .batched import BatchSpeculator, Leaving
 from .batched.prefill import PREFILL_STEP, segments
 from .config import SamplingParams, SpecConfig
 from .errors import DynoError
@@ -140,7 +140,7 @@ class DraftedRun:
     def __init__(self, lm: LoadedModel, params: SamplingParams, spec: SpecConfig, prefill_step: int,
                  drafter: Optional[Drafter] = None, memory: Memory = MLX_MEMORY, rng_seed: Optional[int] = None):
         # Its state is kept as it leaves: for the prefix cache, or for plain decoding to go on from.
-        self.batch = BatchSpeculator(lm, prefill_step, spec.draft_vocab, memory, True, drafter)
+        self.batch = BatchSpeculator(lm, prefill_step, spec.draft_vocab, memory, True, drafter, clear_per_rounds=False)
         self.params, self.depth, self.details, self.rng_seed = params, spec.draft_depth, spec.details, rng_seed
         self.memory = memory
         self.row = None  # the row's state (round.row.Row) once it joined
@@ -154,9 +154,11 @@ class DraftedRun:
         out = self.batch.join(ROW, prompt, self.params, resume, cuts, details=self.details, rng_seed=self.rng_seed,
                               vision=vision)
         self.row = out.left.row if out.left is not None else self.batch.rows[0] if len(self.batch) else None
+        clearing = self.memory.per_tokens()  # generate_step's cadence (every 256 tokens), the first token counted
         while True:
             if out.finish is not None:  # (before its tokens: the consumer stops at the last one)
                 self.left = out.left
+            clearing.add(sum(isinstance(e, Token) for e in out.events))
             yield from out.events
             if out.finish is not None:
                 return

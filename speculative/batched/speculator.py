@@ -138,16 +138,18 @@ class BatchSpeculator(Rounds):
     """
 
     def __init__(self, lm: LoadedModel, prefill_step: int = PREFILL_STEP, draft_vocab: Optional[int] = None,
-                 memory: Memory = MLX_MEMORY, keep_states: bool = True, drafter: Optional[Drafter] = None):
+                 memory: Memory = MLX_MEMORY, keep_states: bool = True, drafter: Optional[Drafter] = None,
+                 clear_per_rounds: bool = True):
         """`keep_states`: a row that leaves hands back its state (Leaving) to settle; False (no prompt
         cache to keep it in): it leaves nothing, and nothing is held for it. `drafter`: where drafts
-        come from (round/drafter.py; default the MTP head)."""
+        come from (round/drafter.py; default the MTP head). `clear_per_rounds` False: the caller clears
+        MLX's buffer cache on its own cadence (a single generation: generate_step's, by tokens)."""
         if lm.head is None:
             raise DynoError("batched drafting needs an MTP head")
         super().__init__(lm, draft_vocab, memory)  # rows clear MLX's buffer cache after each prefill chunk
         self.lm, self.prefill_step, self.draft_vocab, self.keep_states = lm, prefill_step, draft_vocab, keep_states
         self.drafter = drafter if drafter is not None else HeadDrafter()
-        self.clearing = memory.per_rounds()  # and the batch every 512 rounds, as BatchGenerator
+        self.clearing = memory.per_rounds() if clear_per_rounds else None  # every 512 rounds, as BatchGenerator
         self.ids: List[Hashable] = []  # row b's request
         self.rows: List[Row] = []  # row b's own state
         # Split across processes (one row at a time): each sync is the ranks' one collective, rank 0's
@@ -295,6 +297,8 @@ class BatchSpeculator(Rounds):
     def _joiner_leaving(self, row: Row, trunk: List, head: List, hidden: mx.array, b: int) -> Leaving:
         """A joiner that ended at its first token: its own caches (the head's without the first
         token's row, which settling drops anyway) and its last prompt token's pass."""
+        if any(getattr(c, "keys", True) is None for c in head):  # a one-token prompt: no head row yet
+            return Leaving(row, [c.extract(b) for c in trunk], None, LastPass(None, hidden[b : b + 1], 1))
         heads = [c.extract(b) for c in head]
         if row.head_shift:
             heads = [ShiftedKVCache(row.head_shift, h) for h in heads]
@@ -479,7 +483,8 @@ class BatchSpeculator(Rounds):
         if not self.ids:
             return {}
         self._delivered()
-        self.clearing.add()
+        if self.clearing is not None:
+            self.clearing.add()
         then = depth if then is None else then
         depths = self.depths(depth)
         k = max(depths)

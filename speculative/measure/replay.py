@@ -15,7 +15,7 @@ outside it cannot be drafted, so its position counts as a miss.
 
 import bisect
 import random
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
