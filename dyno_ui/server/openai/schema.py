@@ -447,6 +447,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "dyno"
+    max_model_len: Optional[int] = None  # the model's context in tokens, named as vLLM names it
 
 
 class ModelList(BaseModel):
