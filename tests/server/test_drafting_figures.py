@@ -3,11 +3,16 @@ the official clients from whole and streamed answers, its `tokens_sha256` the ha
 mlx-lm's plain greedy decoding gives; and `draft: false` answers with the same tokens and nothing
 drafted, serial and batched, alone and beside other requests (docs/server.md, "Drafting figures")."""
 
+import contextlib
 import hashlib
+import io
+import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from dyno_ui.options import ServeOptions
 from dyno_ui.paths import BUNDLED_MODEL
 from helpers.reference import plain_greedy_prefix, template_tokens
 from helpers.serving import MODEL_ID, running_server
@@ -139,3 +144,18 @@ def test_draft_must_be_a_boolean(serial):
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "draft"
     reply = serial.post("/v1/messages", json={"model": MODEL_ID, "max_tokens": 4, "messages": MESSAGES, "draft": 0})
     assert reply.status_code == 400 and reply.json()["type"] == "error"
+
+
+def test_the_server_md_example_reads_the_figures():
+    """docs/server.md's example, run as written but for the address."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
+    section = page[page.index("## Drafting figures"):page.index("## Memory")]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    options = ServeOptions(api_key="my-key", served_model_names=("qwen-local",))
+    out = io.StringIO()
+    with running_server(BUNDLED_MODEL, spec=SpecConfig("mtp", 3), options=options) as server:
+        with contextlib.redirect_stdout(out):
+            exec(compile(code.replace("http://127.0.0.1:8080", server.url), "docs/server.md", "exec"), {})
+    accepted, sha, by_depth, mode = out.getvalue().splitlines()
+    assert int(accepted) >= 0 and re.fullmatch(r"[0-9a-f]{64}", sha) and by_depth.startswith("{'3': ")
+    assert mode == "mtp"
