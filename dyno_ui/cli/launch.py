@@ -81,6 +81,10 @@ def cmd_launch(args) -> int:
     executable = shutil.which(args.client)
     if executable is None:
         raise DynoError(f"{args.client} is not on PATH; install {INSTALL[args.client]}")
+    if not 0 <= args.port <= 65535:
+        raise DynoError(f"--port must be from 0 to 65535, got {args.port}")
+    if args.url is not None and not re.match(r"https?://[^/\s]+", args.url):
+        raise DynoError(f"--url must be an http:// or https:// address, got {args.url!r}")
     if threading.current_thread() is threading.main_thread():  # a SIGTERM, too, stops the server first
         signal.signal(signal.SIGTERM, _interrupted)
     server = connect(args) if args.url else start(args)
@@ -188,9 +192,12 @@ def served_model(server: Server, named: Optional[str]) -> Tuple[str, Optional[in
     r = httpx.get(server.url + "/v1/models", headers=headers, timeout=30)
     if r.status_code == 401:
         raise DynoError(f"{server.url} refused the key: give the server's with --api-key or DYNO_API_KEY")
-    if r.status_code != 200:
-        raise DynoError(f"{server.url}/v1/models answered {r.status_code}")
-    cards = r.json().get("data") or []
+    try:
+        cards = r.json()["data"] if r.status_code == 200 else None
+    except (ValueError, KeyError, TypeError):
+        cards = None
+    if not isinstance(cards, list) or not all(isinstance(c, dict) and "id" in c for c in cards):
+        raise DynoError(f"{server.url}/v1/models answered {r.status_code} without a model list: not a Dyno server?")
     card = next((c for c in cards if c.get("id") == named), cards[0] if cards and named is None else None)
     if card is None:
         raise DynoError(f"{server.url} does not serve {named!r}")

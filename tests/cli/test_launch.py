@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from dyno_ui.paths import BUNDLED_MODEL
-from helpers.run import dyno
+from helpers.run import dyno, dyno_each
 from helpers.serving import running_server
 from dyno_ui.options import ServeOptions
 from speculative.config import SpecConfig
@@ -143,9 +143,18 @@ def test_a_running_server_by_url_and_key(clients, roomy_model, tmp_path):
 
 
 def test_one_line_each_for_a_missing_client_a_small_model_and_a_busy_port(clients, tmp_path):
-    r, seen = launch(clients, tmp_path, "codex", path=str(Path(sys.executable).parent))
-    assert (r.returncode, r.stderr) == (2, "dyno: error: codex is not on PATH; install Codex CLI "
-                                           "(npm install -g @openai/codex)\n")
+    env = dict(os.environ, PATH=f"{clients}{os.pathsep}{os.environ['PATH']}")
+    (missing,) = dyno_each([["launch", "codex"]], env=dict(env, PATH=str(Path(sys.executable).parent)))
+    assert (missing.returncode, missing.stderr) == (2, "dyno: error: codex is not on PATH; install Codex CLI "
+                                                       "(npm install -g @openai/codex)\n")
+    port, url = dyno_each([["launch", "claude", "--port", "70000"], ["launch", "claude", "--url", "127.0.0.1:8080"]],
+                          env=env)
+    assert (port.returncode, port.stderr) == (2, "dyno: error: --port must be from 0 to 65535, got 70000\n")
+    assert (url.returncode, url.stderr) == (2, "dyno: error: --url must be an http:// or https:// address, got "
+                                               "'127.0.0.1:8080'\n")
+    r, _ = launch(clients, tmp_path, "claude", "--model", str(tmp_path / "no-model"))  # the server's own line
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 2, r.stderr
+    assert r.stderr.splitlines()[1].startswith("dyno: error: ") and "no-model" in r.stderr.splitlines()[1]
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
