@@ -225,8 +225,16 @@ def run_client(command: List[str], env: dict) -> int:
     (with a handler, not SIG_IGN: an ignored signal stays ignored in the client, a handled one does not)."""
     previous = signal.signal(signal.SIGINT, lambda *_: None)
     try:
-        proc = subprocess.Popen(command, env=env)
-        code = proc.wait()
+        try:
+            proc = subprocess.Popen(command, env=env)
+        except OSError as e:
+            raise DynoError(f"cannot run {command[0]}: {e.strerror}") from None
+        try:
+            code = proc.wait()
+        except BaseException:  # this command was stopped (SIGTERM): the client goes with it
+            proc.terminate()
+            proc.wait()
+            raise
     finally:
         signal.signal(signal.SIGINT, previous)
     return 128 - code if code < 0 else code
