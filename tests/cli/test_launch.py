@@ -7,15 +7,18 @@ context and a port in use each get one line."""
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from dyno_ui.paths import BUNDLED_MODEL
-from helpers.run import dyno, dyno_each
+from helpers.run import ROOT, dyno, dyno_each
 from helpers.serving import running_server
 from dyno_ui.options import ServeOptions
 from speculative.config import SpecConfig
@@ -52,9 +55,8 @@ record["answer"] = r.json()
 with open(os.environ["STAND_IN_RECORD"], "w") as f:
     json.dump(record, f)
 then = os.environ.get("STAND_IN_THEN", "0")
-if then == "interrupt":  # as a Ctrl-C the client does not catch
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
+if then == "wait":  # until a Ctrl-C, which it does not catch (nor would it come, were SIGINT ignored)
+    signal.pause()
 sys.exit(int(then))
 """
 
@@ -123,9 +125,26 @@ def test_codex_fails_and_its_status_is_the_commands(clients, roomy_model, tmp_pa
     assert gone(seen["url"])
 
 
-def test_an_interrupted_client_stops_the_server(clients, roomy_model, tmp_path):
-    r, seen = launch(clients, tmp_path, "claude", "--model", str(roomy_model), then="interrupt")
-    assert r.returncode == 130, r.stderr
+def test_ctrl_c_ends_the_client_and_then_the_server(clients, roomy_model, tmp_path):
+    """A Ctrl-C at the terminal (SIGINT to its foreground process group: `dyno launch` and the client)."""
+    record = tmp_path / "record.json"
+    env = dict(os.environ, PATH=f"{clients}{os.pathsep}{os.environ['PATH']}", STAND_IN_RECORD=str(record),
+               STAND_IN_THEN="wait")
+    proc = subprocess.Popen([sys.executable, "-m", "dyno_ui", "launch", "claude", "--draft-depth", "2", "--model",
+                             str(roomy_model)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not record.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # the client has written its record and waits
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 130, proc.stderr.read()
+    finally:
+        if proc.poll() is None:  # SIGTERM: it ends the client and its server, then exits
+            proc.terminate()
+            proc.wait(60)
+    seen = json.loads(record.read_text())
     assert seen["status"] == 200 and gone(seen["url"])
 
 
