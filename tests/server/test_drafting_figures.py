@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import io
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from speculative.config import SpecConfig
 
 pytestmark = pytest.mark.e2e
 
-N = 16
+N = 12
 TEXT = "def parse(line):\n    "
 MESSAGES = [{"role": "user", "content": "Write a function that parses a line of CSV."}]
 KEYS = {"mode", "draft_tokens", "accepted_tokens", "rejected_tokens", "drafted_per_position",
@@ -94,7 +95,7 @@ def test_every_api_carries_the_same_figures_whole_and_streamed(serial):
     for api in APIS:
         want = plain_greedy_prefix(lm, list(prompts[api]), N)
         for stream in (False, True):
-            figures = ask(serial, api, stream, **GREEDY)
+            figures = ask(serial, api, stream, **GREEDY, **({"draft": True} if stream else {}))  # true: as unset
             assert set(figures) == KEYS, (api, stream)
             assert figures["tokens_sha256"] == sha256_of(want), (api, stream)
             assert figures["generated_tokens"] == len(want)
@@ -116,27 +117,35 @@ def assert_off(figures: dict) -> None:
     assert figures["by_source"] == {} and figures["rounds_by_depth"] == {}
 
 
+def decoding_beside(server, started: threading.Semaphore, prompt: str) -> dict:
+    """A longer greedy request that says when its first token has come (its row decodes), then runs on."""
+    chunks = server.client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=3 * N, temperature=0,
+                                              stream=True)
+    parts = iter(chunks)
+    next(parts)
+    started.release()
+    return extra(list(parts)[-1])["drafting"]
+
+
 @pytest.mark.parametrize("api,stream,sampling", CASES)
-def test_draft_false_gives_the_same_tokens_serial(serial, api, stream, sampling):
+def test_draft_false_gives_the_same_tokens(serial, batched, api, stream, sampling):
+    """Drafting on (serial), then off: served alone, alone in a batch, and in a batch beside two drafting
+    requests already decoding (its row pinned at depth 0 while theirs draft)."""
     on = ask(serial, api, stream, **sampling)
-    off = ask(serial, api, stream, draft=False, **sampling)
     assert on["mode"] == "mtp" and on["draft_tokens"] > 0
-    assert_off(off)
-    assert off["tokens_sha256"] == on["tokens_sha256"]
-    assert ask(serial, api, stream, draft=True, **sampling)["tokens_sha256"] == on["tokens_sha256"]
-
-
-@pytest.mark.parametrize("api,stream,sampling", CASES)
-def test_draft_false_gives_the_same_tokens_in_a_batch(batched, api, stream, sampling):
-    """Alone, then beside two drafting requests (its row pinned at depth 0 while theirs draft)."""
-    on = ask(batched, api, stream, **sampling)
-    assert on["mode"] == "mtp" and on["draft_tokens"] > 0
-    with ThreadPoolExecutor(3) as pool:
-        others = [pool.submit(ask, batched, other, False, **GREEDY) for other in ("chat", "completions")]
-        off = pool.submit(ask, batched, api, stream, draft=False, **sampling).result()
+    offs = [ask(serial, api, stream, draft=False, **sampling), ask(batched, api, stream, draft=False, **sampling)]
+    before = batched.stats()["batch"]["rounds_by_width"].get("3", 0)
+    started = threading.Semaphore(0)
+    with ThreadPoolExecutor(2) as pool:
+        others = [pool.submit(decoding_beside, batched, started, prompt) for prompt in ("import os\n", "class A:\n")]
+        for _ in others:
+            assert started.acquire(timeout=60)
+        offs.append(ask(batched, api, stream, draft=False, **sampling))
         assert all(f.result()["mode"] == "mtp" for f in others)
-    assert_off(off)
-    assert off["tokens_sha256"] == on["tokens_sha256"]
+    assert batched.stats()["batch"]["rounds_by_width"].get("3", 0) > before  # the three rows in some round
+    for off in offs:
+        assert_off(off)
+        assert off["tokens_sha256"] == on["tokens_sha256"]
 
 
 def test_draft_must_be_a_boolean(serial):
