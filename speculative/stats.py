@@ -5,8 +5,10 @@ cancel) drafted all its drafts but delivered only some of its accepted ones, so 
 are counted from the DRAFT tokens themselves, each at its position within its round.
 """
 
+import hashlib
+import struct
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .events import Done, Provenance, Round, Token
 
@@ -31,6 +33,7 @@ class GenerationStats:
     accepted_tokens: int = 0
     accepted_per_position: List[int] = field(default_factory=list)  # index i: draft position i + 1
     drafted_per_position: List[int] = field(default_factory=list)  # rounds that drafted position i + 1
+    rounds_by_depth: Dict[int, int] = field(default_factory=dict)  # drafts a round made -> rounds
     done: Optional[Done] = None
     widths: Optional[Tuple[int, int]] = None  # in a batch: the fewest and the most rows of its rounds
     _position: int = 0  # drafts delivered so far in the current round
@@ -54,6 +57,7 @@ class GenerationStats:
         elif isinstance(event, Round):
             self.rounds += 1
             self.draft_tokens += event.drafted
+            self.rounds_by_depth[event.drafted] = self.rounds_by_depth.get(event.drafted, 0) + 1
             self._position = 0
             self._count_drafted(event.drafted)
         elif isinstance(event, Done):
@@ -85,6 +89,8 @@ class GenerationStats:
             self.drafted_per_position[i] += n
         for i, n in enumerate(other.accepted_per_position):
             self._count_accepted(i, n)
+        for depth, n in other.rounds_by_depth.items():
+            self.rounds_by_depth[depth] = self.rounds_by_depth.get(depth, 0) + n
 
     @property
     def speculative(self) -> bool:
@@ -150,3 +156,9 @@ class GenerationStats:
             "tokens_per_round": self.tokens_per_round,
             "acceptance_by_position": self.acceptance_by_position(),
         }
+
+
+def tokens_sha256(tokens: Sequence[int]) -> str:
+    """SHA-256 (hex) of token ids as generated, each a 4-byte little-endian unsigned integer: equal
+    hashes mean the same tokens, whatever text a stop string or detokenizing made of them."""
+    return hashlib.sha256(struct.pack(f"<{len(tokens)}I", *tokens)).hexdigest()

@@ -314,6 +314,14 @@ def curl(words, base: str) -> httpx.Response:
     return httpx.post(url, headers=headers, content=body, timeout=120)
 
 
+def readme_figures() -> dict:
+    """The drafting figures the README shows for its chat request: its one ```json block."""
+    (block,) = [body for kind, body in FENCE.findall(README.read_text()) if kind == "json"]
+    figures = json.loads(block)
+    assert figures["draft_tokens"] == figures["accepted_tokens"] + figures["rejected_tokens"]
+    return figures
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("args", SERVE, ids=line_id)
 def test_readme_serve_and_its_curl_examples(args):
@@ -330,6 +338,8 @@ def test_readme_serve_and_its_curl_examples(args):
             body = r.json()
             if r.request.url.path == "/v1/chat/completions":
                 assert body["object"] == "chat.completion" and body["model"] == "dyno-tiny"
+                assert set(body["drafting"]) == set(readme_figures()) and body["drafting"]["mode"] == "mtp"
+                assert body["drafting"]["generated_tokens"] == body["usage"]["completion_tokens"]
                 assert isinstance(body["choices"][0]["message"]["content"], str)
                 assert body["usage"]["completion_tokens"] <= json.loads(words[words.index("-d") + 1])["max_tokens"]
             elif r.request.url.path == "/stats":

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 from speculative.errors import DynoError
 
-from . import bench, generate, heads, serve
+from . import bench, generate, heads, launch, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,12 +18,16 @@ def build_parser() -> argparse.ArgumentParser:
     heads.add_commands(sub)
     bench.add_commands(sub)
     serve.add_command(sub)
+    launch.add_command(sub)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
+    argv, client_args = launch.split_client_args(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
+    if client_args is not None:
+        args.client_args = client_args
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -18,7 +18,7 @@ from .errors import bad_request
 from .outputs import Finished, TextDelta, ToolCallDelta
 from .images import request_images
 from .request import ChatRequest, Message, ToolCall
-from .served import ServedModel, chat_job, chat_prompt, checked_sampling
+from .served import ServedModel, chat_job, chat_prompt, checked_sampling, draft_spec
 from .system_turns import place_system_turns
 from .tools import answer_constraint, check_tools, template_tools, tool_call_stream
 from .worker import Job
@@ -70,7 +70,7 @@ def job_for(served: ServedModel, request: ChatRequest, sink) -> Tuple[str, Job]:
                               constraint, budget)
     watch = ThinkingOnly(getattr(served.worker, "metrics", None), sink)  # (no worker: a job built to be looked at)
     job = chat_job(lm, prompt.tokens, params, list(request.stop), watch.sink, tool_calls=tool_call_stream(lm, request),
-                   images=prompt.images)
+                   images=prompt.images, spec=draft_spec(request.draft))
     watch.job = job
     return prompt.model, job
 

@@ -5,7 +5,7 @@ Plain data with no MLX: the playground's rendering and the APIs' folding import 
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    drafting: Optional[Dict[str, Any]] = None  # what drafting did for it (runtime/figures.py)
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ class ChatRequest:
     prefill: str = ""  # the answer's start, which the model continues
     sampling: Sampling = Sampling()
     stop: Tuple[str, ...] = ()
+    draft: Optional[bool] = None  # False: no drafting for this request; None or True: the server's
 
     @property
     def calls_allowed(self) -> bool:

@@ -6,7 +6,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from speculative.config import SamplingParams
+from speculative.config import SamplingParams, SpecConfig
 from speculative.errors import DynoError, one_line
 from speculative.loader import LoadedModel
 
@@ -152,6 +152,16 @@ def checked_sampling(lm: LoadedModel, prompt: Sequence[int], field: str, samplin
         raise ApiError(400, e.message) from None
 
 
+# A request's `draft: false`: decoded without drafts (serial: plain decoding; in a batch: its row pinned
+# at depth 0), the same tokens as with them.
+NO_DRAFTS = SpecConfig("off")
+
+
+def draft_spec(draft: Optional[bool]) -> Optional[SpecConfig]:
+    """The job's own SpecConfig for a request's `draft` field; None: the server's."""
+    return NO_DRAFTS if draft is False else None
+
+
 def chat_job(lm: LoadedModel, prompt: List[int], params: SamplingParams, stops: List[str], sink,
              tool_calls: Optional[ToolCallStream] = None, **job) -> Job:
     """A job for a templated chat prompt: reasoning split on, starting in the channel the template opened,
@@ -161,6 +171,7 @@ def chat_job(lm: LoadedModel, prompt: List[int], params: SamplingParams, stops: 
     return Job(list(prompt), params, text, sink, lm=lm, **job)
 
 
-def completion_job(lm: LoadedModel, prompt: List[int], params: SamplingParams, stops: List[str], sink) -> Job:
-    """A job for a raw prompt: no template, no reasoning split."""
-    return Job(list(prompt), params, TextAssembler(lm.tokenizer, stops), sink, lm=lm)
+def completion_job(lm: LoadedModel, prompt: List[int], params: SamplingParams, stops: List[str], sink,
+                   draft: Optional[bool] = None) -> Job:
+    """A job for a raw prompt: no template, no reasoning split; `draft` False: no drafting."""
+    return Job(list(prompt), params, TextAssembler(lm.tokenizer, stops), sink, lm=lm, spec=draft_spec(draft))

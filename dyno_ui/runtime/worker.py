@@ -49,6 +49,7 @@ from speculative.stats import GenerationStats
 from .boundaries import message_marker, message_starts
 from .drafting_batch import DraftingBatch
 from .errors import STOPPED, failure
+from .figures import drafting_figures
 from .jobs import MAX_QUEUE, Call, Job, JobQueue
 from .logprobs import TokenBytes, described
 from .metrics import Outcome, ServerMetrics
@@ -390,7 +391,15 @@ class EngineWorker:
             latency_s=now - job.submitted_at,
             ttft_s=None if job.first_token_at is None else job.first_token_at - job.submitted_at,
         ))
-        job.send(Finished(reason, len(job.prompt), n, cached))
+        figures = drafting_figures(job.stats, self.drafts(job), len(job.prompt), cached)
+        job.send(Finished(reason, len(job.prompt), n, cached, figures))
+
+    def drafts(self, job: Job) -> bool:
+        """True when `job` was served drafting: a head loaded, and neither the server nor the request
+        (its own spec: the playground's mode, an API's `draft: false`) turned drafting off."""
+        spec = job.spec or self.spec
+        return spec.mode != "off" and self.lm is not None and self.lm.head is not None and (
+            self.concurrency == 1 or self.lm.ranks is not None or self.drafting)
 
     def fail(self, job: Job, message: str, status: int = 500) -> None:
         if self.metrics is not None:

@@ -57,6 +57,11 @@ def anthropic_page(ids: List[str], created: int, limit: int, after_id: Optional[
                                    first_id=page[0] if page else None, last_id=page[-1] if page else None)
 
 
+def card(served: ServedModel, model_id: str) -> openai_api.ModelCard:
+    """OpenAI's model object, with the context length (`dyno launch` checks it against its client's)."""
+    return openai_api.ModelCard(id=model_id, created=served.created, max_model_len=served.lm.context_length)
+
+
 def add_routes(app: FastAPI, served: ServedModel) -> None:
     @app.get(PREFIX)
     def models(request: Request):
@@ -64,7 +69,7 @@ def add_routes(app: FastAPI, served: ServedModel) -> None:
             query = request.query_params
             return anthropic_page(served.ids, served.created, page_limit(query.get("limit")),
                                   query.get("after_id"), query.get("before_id"))
-        return openai_api.ModelList(data=[openai_api.ModelCard(id=i, created=served.created) for i in served.ids])
+        return openai_api.ModelList(data=[card(served, i) for i in served.ids])
 
     @app.get(PREFIX + "/{model_id:path}")
     def model(request: Request, model_id: str):
@@ -72,4 +77,4 @@ def add_routes(app: FastAPI, served: ServedModel) -> None:
             raise served.not_found(model_id)
         if is_anthropic(request):
             return _info(model_id, served.created)
-        return openai_api.ModelCard(id=model_id, created=served.created)
+        return card(served, model_id)

@@ -116,3 +116,31 @@ def test_the_bench_reports_the_same_figures(monkeypatch):
     (row,) = _aggregate(record)
     assert row["tpr"] == pytest.approx(1 + (16 + 15) / 15)
     assert row["acceptance"] == pytest.approx([13 / 15, 11 / 13, 7 / 11])
+
+
+def test_the_drafting_figures_of_one_answer():
+    """runtime/figures.py from the same stream: rounds by depth, drafted = accepted + rejected (the cut
+    round's undelivered draft among the rejected), and the hash of the ids as 4-byte little-endian words."""
+    import hashlib
+
+    from dyno_ui.runtime.figures import drafting_figures
+    from speculative.stats import tokens_sha256
+
+    stats = folded(stream())
+    figures = drafting_figures(stats, True, prompt_tokens=4, cached_tokens=1)
+    assert figures["rounds_by_depth"] == {"1": 1, "2": 1, "3": 3}
+    assert (figures["draft_tokens"], figures["accepted_tokens"], figures["rejected_tokens"]) == (12, 8, 4)
+    assert figures["by_source"] == {"mtp": {"draft_tokens": 12, "accepted_tokens": 8}}
+    assert figures["accepted_per_position"] == ACCEPTED and figures["drafted_per_position"] == DRAFTED
+    assert figures["tokens_per_round"] == TOKENS_PER_ROUND
+    assert (figures["prompt_tokens"], figures["cached_prompt_tokens"], figures["prefill_s"]) == (4, 1, 0.1)
+    assert figures["generated_tokens"] == 13 and figures["decode_tokens_per_s"] == pytest.approx(12 / 1.2)
+    assert figures["tokens_sha256"] == hashlib.sha256(bytes([1, 0, 0, 0] + [2, 0, 0, 0] * 12)).hexdigest()
+    assert tokens_sha256([]) == hashlib.sha256(b"").hexdigest()
+    merged = GenerationStats()
+    merged.merge(stats)
+    merged.merge(stats)
+    assert merged.rounds_by_depth == {1: 2, 2: 2, 3: 6}
+    off = drafting_figures(GenerationStats(tokens=[5, 6]), False, 2, 0)
+    assert off["mode"] == "off" and off["by_source"] == {} and off["rounds_by_depth"] == {}
+    assert off["prefill_s"] is None and off["decode_tokens_per_s"] is None

@@ -55,6 +55,7 @@ SHARED = {
     "frequency_penalty": FLOATS | JUNK,
     "repetition_penalty": FLOATS | JUNK,
     "repetition_context_size": INTS | JUNK,
+    "draft": st.booleans() | JUNK,
     "unknown_field": ANY,
 }
 # Mostly well-formed bodies with a few fields drawn from the hostile sets: a value only reaches the
@@ -115,7 +116,7 @@ HOSTED = st.fixed_dictionaries({"type": st.sampled_from(["web_search", "file_sea
 # mostly well-formed base, as for chat.
 RESPONSE_FIELDS = {
     "max_output_tokens": INTS | JUNK, "temperature": FLOATS | JUNK, "top_p": FLOATS | JUNK,
-    "stream": st.booleans() | JUNK, "instructions": TEXT | JUNK, "store": ANY, "metadata": ANY, "user": ANY,
+    "stream": st.booleans() | JUNK, "draft": st.booleans() | JUNK, "instructions": TEXT | JUNK, "store": ANY, "metadata": ANY, "user": ANY,
     "input": TEXT | st.lists(ITEM, max_size=4) | JUNK,
     "tools": st.lists(FUNCTION | NAMESPACE | HOSTED, max_size=3) | JUNK,
     "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"},

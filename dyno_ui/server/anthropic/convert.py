@@ -74,15 +74,16 @@ def chat_request(req: api.Conversation, default_thinking: bool = False) -> ChatR
     if prefill:  # the prefill is the text answer's start: the template closes its think block first
         thinking = False
     choice, parallel = tool_choice(req.tool_choice)
-    sampling, stop = Sampling(), ()
+    sampling, stop, draft = Sampling(), (), None
     if isinstance(req, api.MessagesRequest):  # count_tokens has no sampling fields
         sampling = Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
-        stop = tuple(req.stop_strings())
+        stop, draft = tuple(req.stop_strings()), req.draft
     return ChatRequest(
         messages=tuple(conversation(req, messages)), model=req.model, tools=tuple(tools(req.tools)),
         tool_choice=choice, parallel_tool_calls=parallel,
         response_format=None if req.output_schema is None else JsonSchema(req.output_schema),
-        thinking=thinking, thinking_budget=budget, prefill=prefill, sampling=sampling, stop=stop)
+        thinking=thinking, thinking_budget=budget, prefill=prefill, sampling=sampling, stop=stop,
+        draft=draft)
 
 
 def effort(req: api.Conversation) -> Optional[str]:
@@ -209,7 +210,8 @@ class Reply:
             return self._call(item)
         if isinstance(item, Failed):
             return [api.error_response(ApiError(item.status, item.message))]
-        return self._close() + [api.MessageDelta(delta=self._stop(item), usage=usage(item)), api.MessageStop()]
+        return self._close() + [api.MessageDelta(delta=self._stop(item), usage=usage(item), drafting=item.drafting),
+                                api.MessageStop()]
 
     def _call(self, item: ToolCallDelta) -> List[api.Event]:
         events = []
@@ -290,7 +292,7 @@ async def message(stream: JobStream, reply: Reply) -> api.MessageOut:
                     partial[event.index] = partial.get(event.index, "") + delta.partial_json
             elif isinstance(event, api.MessageDelta):
                 out.stop_reason, out.stop_sequence = event.delta.stop_reason, event.delta.stop_sequence
-                out.usage = event.usage
+                out.usage, out.drafting = event.usage, event.drafting
     for index, text in partial.items():
         out.content[index].input = _input(text)
     return out

@@ -11,9 +11,10 @@ tools are, unless the request forces one. Hints with nothing to do here
 import uuid
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, model_validator
 
 from ...runtime.errors import ApiError
+from ..drafting import Drafted
 
 # ---- errors --------------------------------------------------------------------------------
 
@@ -290,6 +291,7 @@ class MessagesRequest(Conversation):
     stop_sequences: Optional[List[str]] = None
     stream: bool = False
     metadata: Optional[Dict[str, Any]] = None  # accepted; nothing to do with it locally
+    draft: Optional[StrictBool] = None  # false: this request decodes without drafts (docs/server.md)
 
     def stop_strings(self) -> List[str]:
         return [s for s in self.stop_sequences or [] if s]
@@ -333,7 +335,7 @@ class Usage(BaseModel):
     cache_read_input_tokens: int = 0
 
 
-class MessageOut(BaseModel):
+class MessageOut(Drafted):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
@@ -409,7 +411,7 @@ class StopDelta(BaseModel):
     stop_sequence: Optional[str] = None
 
 
-class MessageDelta(BaseModel):
+class MessageDelta(Drafted):
     type: Literal["message_delta"] = "message_delta"
     delta: StopDelta
     usage: Usage  # cumulative: clients overwrite the counts message_start gave

@@ -25,7 +25,7 @@ def chat_request(req: api.ChatCompletionRequest) -> ChatRequest:
         tools=tuple(t.tool() for t in req.tools or ()), tool_choice=req.choice(),
         parallel_tool_calls=req.parallel_tool_calls is not False, response_format=format_spec(req.response_format),
         template_kwargs=req.chat_template_kwargs or {}, thinking_budget=req.thinking_budget(),
-        sampling=req.sampling(), stop=tuple(req.stop_strings()))
+        sampling=req.sampling(), stop=tuple(req.stop_strings()), draft=req.draft)
 
 
 def chat_job(served: ServedModel, req: api.ChatCompletionRequest, sink) -> Tuple[str, Job]:
@@ -71,7 +71,7 @@ def completion_job(served: ServedModel, req: api.CompletionRequest, sink) -> Tup
     elif any(not 0 <= t < lm.vocab_size for t in prompt):
         raise ApiError(400, "prompt: token ids must be in the vocabulary", param="prompt")
     params = runtime.checked_sampling(lm, prompt, "prompt", req.sampling(), served.default_max_tokens)
-    return model_id, runtime.completion_job(lm, list(prompt), params, req.stop_strings(), sink)
+    return model_id, runtime.completion_job(lm, list(prompt), params, req.stop_strings(), sink, req.draft)
 
 
 def _usage(done: Finished) -> api.Usage:
@@ -144,7 +144,7 @@ async def chat_response(stream: JobStream, model: str) -> api.ChatCompletion:
     choice = api.ChatChoice(message=message, finish_reason=_finish_reason(done, bool(tool_calls)),
                             logprobs=_chat_logprobs(scores) if _wants_logprobs(stream) else None)
     return api.ChatCompletion(id=api.new_id("chatcmpl"), created=api.now(), model=model, choices=[choice],
-                              usage=_usage(done))
+                              usage=_usage(done), drafting=done.drafting)
 
 
 def _call_chunk(item: ToolCallDelta) -> api.ToolCallChunk:
@@ -163,13 +163,14 @@ async def chat_events(stream: JobStream, model: str, include_usage: bool) -> Asy
     # may be held back (a partial character, a possible stop string), so they go out no earlier.
     scores: Optional[List[TokenLogprob]] = [] if _wants_logprobs(stream) else None
 
-    def chunk(delta: api.ChatDelta, finish=None, choices=True, usage=None) -> str:
+    def chunk(delta: api.ChatDelta, finish=None, choices=True, usage=None, drafting=None) -> str:
         logprobs = None
         if choices and scores:
             logprobs = _chat_logprobs(scores)
             scores.clear()
         choice = [api.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)] if choices else []
-        return sse(api.ChatCompletionChunk(id=rid, created=created, model=model, choices=choice, usage=usage))
+        return sse(api.ChatCompletionChunk(id=rid, created=created, model=model, choices=choice, usage=usage,
+                                           drafting=drafting))
 
     yield chunk(api.ChatDelta(role="assistant", content=""))
     async for item in stream:
@@ -184,10 +185,11 @@ async def chat_events(stream: JobStream, model: str, include_usage: bool) -> Asy
             yield chunk(api.ChatDelta(tool_calls=[_call_chunk(item)]))
         elif isinstance(item, Failed):
             yield sse(api.error_response(_failure(item)))
-        else:
-            yield chunk(api.ChatDelta(), finish=_finish_reason(item, called))
+        else:  # the figures ride on the last chunk: the usage chunk when asked for, else the finish
+            yield chunk(api.ChatDelta(), finish=_finish_reason(item, called),
+                        drafting=None if include_usage else item.drafting)
             if include_usage:
-                yield chunk(api.ChatDelta(), choices=False, usage=_usage(item))
+                yield chunk(api.ChatDelta(), choices=False, usage=_usage(item), drafting=item.drafting)
     yield sse("[DONE]")
 
 
@@ -207,7 +209,7 @@ async def completion_response(stream: JobStream, model: str) -> api.Completion:
     logprobs = _completion_logprobs(scores)[0] if _wants_logprobs(stream) else None
     choice = api.CompletionChoice(text="".join(text), finish_reason=done.finish_reason, logprobs=logprobs)
     return api.Completion(id=api.new_id("cmpl"), created=api.now(), model=model, choices=[choice],
-                          usage=_usage(done))
+                          usage=_usage(done), drafting=done.drafting)
 
 
 async def completion_events(stream: JobStream, model: str, include_usage: bool) -> AsyncIterator[str]:
@@ -216,14 +218,15 @@ async def completion_events(stream: JobStream, model: str, include_usage: bool) 
     scores: Optional[List[TokenLogprob]] = [] if _wants_logprobs(stream) else None  # as in chat_events
     offset = 0
 
-    def chunk(text="", finish=None, choices=True, usage=None) -> str:
+    def chunk(text="", finish=None, choices=True, usage=None, drafting=None) -> str:
         nonlocal offset
         logprobs = None
         if choices and scores:
             logprobs, offset = _completion_logprobs(scores, offset)
             scores.clear()
         choice = [api.CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)] if choices else []
-        return sse(api.Completion(id=rid, created=created, model=model, choices=choice, usage=usage))
+        return sse(api.Completion(id=rid, created=created, model=model, choices=choice, usage=usage,
+                                  drafting=drafting))
 
     async for item in stream:
         if isinstance(item, TokenLogprob):
@@ -233,8 +236,8 @@ async def completion_events(stream: JobStream, model: str, include_usage: bool) 
             yield chunk(item.text)
         elif isinstance(item, Failed):
             yield sse(api.error_response(_failure(item)))
-        else:
-            yield chunk(finish=item.finish_reason)
+        else:  # as in chat_events, the figures on the last chunk
+            yield chunk(finish=item.finish_reason, drafting=None if include_usage else item.drafting)
             if include_usage:
-                yield chunk(choices=False, usage=_usage(item))
+                yield chunk(choices=False, usage=_usage(item), drafting=item.drafting)
     yield sse("[DONE]")

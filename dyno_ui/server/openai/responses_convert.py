@@ -153,6 +153,7 @@ class Reply:
                             output_tokens=done.completion_tokens,
                             output_tokens_details=api.OutputTokensDetails(reasoning_tokens=self.job.text.reasoning_tokens),
                             total_tokens=done.prompt_tokens + done.completion_tokens)
+        r.drafting = done.drafting
         if length:
             r.status, r.incomplete_details = "incomplete", api.IncompleteDetails(reason="max_output_tokens")
             return events + [self._response("response.incomplete")]

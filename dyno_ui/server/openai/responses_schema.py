@@ -13,11 +13,12 @@ import time
 import uuid
 from typing import Any, ClassVar, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_serializer
 
 from ...runtime import request as neutral
 from ...runtime.errors import ApiError
 from ...runtime.request import EFFORT_BUDGETS, JsonSchema
+from ..drafting import Drafted
 from ..errors import validation_error
 from . import schema as chat
 
@@ -206,6 +207,7 @@ class ResponsesRequest(_Strict):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
+    draft: Optional[StrictBool] = None  # false: this request decodes without drafts (docs/server.md)
     store: Optional[bool] = None  # accepted; nothing is kept either way
     metadata: Optional[Dict[str, str]] = None
     user: Optional[str] = None
@@ -324,7 +326,7 @@ class ResponsesRequest(_Strict):
             messages=messages(self.instructions, self.items()), model=self.model,
             tools=tuple(t.tool() for t in self.functions()), tool_choice=self.choice(),
             parallel_tool_calls=self.parallel_tool_calls is not False, response_format=self.format(),
-            thinking=thinking, thinking_budget=budget,
+            thinking=thinking, thinking_budget=budget, draft=self.draft,
             sampling=neutral.Sampling(max_tokens=self.max_output_tokens, temperature=self.temperature,
                                       top_p=self.top_p))
 
@@ -490,7 +492,7 @@ class ResponseError(BaseModel):
     message: str
 
 
-class Response(BaseModel):
+class Response(Drafted):
     """The Response object, with the request's settings echoed as OpenAI echoes them."""
 
     id: str

@@ -10,11 +10,12 @@ import time
 import uuid
 from typing import Annotated, Any, Callable, ClassVar, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_serializer, model_validator
 
 from ...runtime import request as neutral
 from ...runtime.errors import ApiError
 from ...runtime.request import MAX_LOGPROBS, PENALTY_CONTEXT
+from ..drafting import Drafted
 
 
 class ErrorBody(BaseModel):
@@ -105,6 +106,7 @@ class SamplingFields(_Request):
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     repetition_penalty: Optional[float] = Field(None, gt=0)
     repetition_context_size: int = Field(PENALTY_CONTEXT, ge=1)
+    draft: Optional[StrictBool] = None  # false: this request decodes without drafts (docs/server.md)
 
     def stop_strings(self) -> List[str]:
         """`stop` as a list without empty strings."""
@@ -376,7 +378,7 @@ class ChatChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(Drafted):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -413,7 +415,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(Drafted):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -429,7 +431,7 @@ class CompletionChoice(BaseModel):
     logprobs: Optional[CompletionLogprobs] = None
 
 
-class Completion(BaseModel):
+class Completion(Drafted):
     """Both the response and each streamed chunk of /v1/completions (OpenAI uses one shape)."""
 
     id: str
@@ -445,6 +447,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "dyno"
+    max_model_len: Optional[int] = None  # the model's context in tokens, named as vLLM names it
 
 
 class ModelList(BaseModel):
