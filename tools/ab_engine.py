@@ -1,7 +1,7 @@
 """A/B of the speculative round: an earlier revision's engine against the working tree's, paired.
 
     python tools/ab_engine.py --before REV [--after REV] [--model assets/dyno-tiny] [--depths 1 3] [--temp 0]
-                              [--suite code] [--pairs 5] [--max-tokens 200] [--json FILE]
+                              [--suite code] [--prompts N] [--pairs 5] [--max-tokens 200] [--json FILE]
 
 A change to the round is worth keeping only if it helps, or is neutral here and removes work a GPU
 backend would wait on; this measures that. Each side is a whole tree: `--before REV` is checked out
@@ -150,6 +150,7 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--temp", type=float, default=0.0, help="0: greedy; else with top-p 0.95, top-k 20, seed 0")
     ap.add_argument("--suite", default="code", help="a suite of speculative/measure/suites.py")
+    ap.add_argument("--prompts", type=int, default=0, help="the suite's first N prompts (0: all)")
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--json", help="write the figures here")
@@ -185,6 +186,7 @@ def compare(sides: dict, args) -> dict:
     import mlx.core as mx
 
     prompts = sides["after"].ask(suite=args.suite)["prompts"]
+    prompts = prompts[: args.prompts] if args.prompts > 0 else prompts
     out = {"before": args.before, "after": args.after or "working tree", "model": args.model, "suite": args.suite,
            "temperature": args.temp, "pairs": args.pairs, "max_tokens": args.max_tokens,
            "device": str(mx.default_device()), "mlx": mx.__version__, "depths": []}

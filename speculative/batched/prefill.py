@@ -6,8 +6,7 @@ row's end), then the padding rolled to the left, where the batch's rounds expect
 A row resumed from the prompt cache starts from its own caches, merged left-padded beside the
 others. Chunks end at every row's cuts, where that row's recurrent state is checkpointed for the
 prompt cache, and hold at most `step` tokens in all (a lone prompt's chunk: the same peak memory).
-The head runs one row behind the trunk, as in the single-row prefill (engine.Speculator.prefill):
-its row p pairs token p+1 with trunk hidden p.
+The head runs one row behind the trunk: its row p pairs token p+1 with trunk hidden p.
 
 Which rows share a pass: prompts of similar lengths (prefill_groups: a long one is not padded onto
 short ones), and not two sharing a long prefix (sharing_waves: the later one waits for the first's

@@ -1,6 +1,8 @@
-"""Batched drafting: B rows, each its own request, share one head pass per draft step and one trunk
-pass per round (round.Rounds, the round the single-row Speculator runs too); acceptance, rollback,
-RNG, stopping and a pinned depth stay per row (row.Row).
+"""The one driver: B >= 1 rows, each its own request, share one draft step per position and one
+trunk pass per round (round.Rounds); acceptance, rollback, RNG, stopping and a pinned depth stay per
+row (row.Row). Drafts come from the driver's drafter (round/drafter.py: the MTP head unless told
+otherwise). engine.generate runs it at width 1 (engine.DraftedRun), the server's drafting worker at
+any width.
 
 Rows that join together are prefilled together (prefill.py: right-padded as mlx-lm's BatchGenerator
 does, each after its own resumed prefix) and then join: their attention caches are rows of mlx-lm
@@ -8,19 +10,19 @@ BatchKVCaches (left padding, a RoPE offset per row), their Gated DeltaNet caches
 (no pad token ever enters a recurrent state). Rows leave between rounds. Rollback is exact per row:
 a row's rejected KV slots are rolled into its own left padding, where the mask hides them (a zeroed
 key would still add e^0 to the softmax denominator), and its GDN state is taken from its own
-position on the verify tape.
+position on the verify tape. A prompt with images, and a model split across processes, run alone.
 
 A row that leaves (EOS or max_tokens in a round, a stop string or a cancel between rounds) hands
-back its own caches and its latest pass (Leaving), which settle, as the single-row Speculator's do,
-to the tokens its consumer received: the state a prompt cache keeps for the request's next turn.
+back its own caches and its latest pass (settle.Leaving), which settle to the tokens its consumer
+received: the state a prompt cache keeps for the request's next turn.
 
 Depth 0 is a plain batched round: the trunk alone over each row's pending token, no Round event
 (a round that drafts nothing is not a drafting round), the head's rows deferred until drafting resumes.
 Each round queues the next one's first work before it hands its tokens out, so the device computes
 while the host works: for a plain round next, its pass (as mlx-lm's BatchGenerator does), for a
-drafting round next, its drafts (as the single-row Speculator does), at the depth the caller says
-comes next. A join, a leave or a round at another depth first takes that work back (the caches
-rewound, the RNG keys restored), so it never changes a token.
+drafting round next, its drafts, at the depth the caller says comes next. A join, a leave or a
+round at another depth first takes that work back (the caches rewound, the RNG keys restored), so
+it never changes a token.
 """
 
 import logging
