@@ -273,7 +273,8 @@ def _head_config_problem(config: dict) -> Optional[str]:
     return None
 
 
-def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra: dict = None) -> Path:
+def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra: dict = None,
+                      files: Optional[Dict[str, str]] = None) -> Path:
     """Write a standalone head folder atomically (temp folder, then rename); norms stored shifted,
     or as read with `norms_shifted: null` when their convention is still to be decided."""
     folder = Path(folder)
@@ -299,6 +300,8 @@ def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra:
         if config["architecture"] == "moe":  # quantized MoE heads collapse acceptance (5-11% vs 79-85%)
             config["moe_experts_dtype"] = "bfloat16 (never quantized)"
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name, text in (files or {}).items():  # a card (README.md) goes in with the head, atomically
+            (tmp / name).write_text(text)
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
