@@ -32,7 +32,9 @@ def tune(lm, args, settings, out: Path) -> int:
                f"({settings.continue_tokens} tokens each, "
                f"{'greedy' if not settings.continue_temperature else f'temperature {settings.continue_temperature:g}'})")
     stream = tuning.stream_cached(state, sig, lambda: tuning.token_stream(lm, corpus, settings))
-    run = tuning.Tune(lm, stream, settings, state, sig)
+    from speculative.backend.memory import device_memory
+
+    run = tuning.Tune(lm, stream, settings, state, sig, memory=device_memory())
     if args.eval_data:
         prompts = eval_prompts(read_corpus(args.eval_data, lm.tokenizer), args.eval_prompts, PROMPT_TOKENS)
     else:
@@ -43,7 +45,6 @@ def tune(lm, args, settings, out: Path) -> int:
            f"({len(run.held)} held out), {run.batch} per step, {settings.steps} steps; checkpoints in {state}")
     before = acceptance(lm, prompts, settings.depth, max_tokens=EVAL_TOKENS)
     notify(f"dyno: before: {_line(before)}")
-    from speculative.backend.memory import device_memory
 
     done = 0
     with tqdm(total=len(run.train), desc="trunk targets", unit="win", file=sys.stderr, leave=False) as bar:
@@ -58,7 +59,8 @@ def tune(lm, args, settings, out: Path) -> int:
                 f", held-out acceptance {'/'.join(f'{a:.2f}' for a in estimate)}" if estimate else ""))
             bar.update(1)
     except KeyboardInterrupt:
-        run.checkpoint()  # the steps done so far are kept: the same command goes on from here
+        if run.settled:  # else mid-step: the last periodic checkpoint stands
+            run.checkpoint()  # the steps done so far are kept: the same command goes on from here
         bar.close()
         notify(f"dyno: tune stopped at step {run.step}; run the same command to resume ({state})")
         raise

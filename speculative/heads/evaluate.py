@@ -7,7 +7,6 @@ from typing import Iterator, List, Optional, Sequence
 
 from ..config import SamplingParams, SpecConfig
 from ..engine import generate
-from ..loader import LoadedModel
 from ..stats import GenerationStats
 
 
@@ -27,7 +26,7 @@ class Acceptance:
                 "accepted_per_position": s.accepted_per_position, "drafted_per_position": s.drafted_per_position}
 
 
-def acceptance(lm: LoadedModel, prompts: Sequence[Sequence[int]], depth: int, temperature: float = 0.0,
+def acceptance(lm: "LoadedModel", prompts: Sequence[Sequence[int]], depth: int, temperature: float = 0.0,
                max_tokens: int = 128, seed: int = 0) -> Acceptance:
     """Drafting `depth` tokens a round, each prompt continued for `max_tokens`; sampled runs are seeded
     (prompt i with seed + i), so a rerun gives the same figures."""
@@ -44,7 +43,7 @@ def acceptance(lm: LoadedModel, prompts: Sequence[Sequence[int]], depth: int, te
     return Acceptance(depth, temperature, total)
 
 
-def sweep(lm: LoadedModel, prompts: Sequence[Sequence[int]], depths: Sequence[int],
+def sweep(lm: "LoadedModel", prompts: Sequence[Sequence[int]], depths: Sequence[int],
           temperatures: Sequence[float], max_tokens: int = 128, seed: int = 0) -> Iterator[Acceptance]:
     """acceptance() for every temperature and depth, one setting at a time as each finishes."""
     for temperature in temperatures:

@@ -501,9 +501,9 @@ def resolve_head(model_folder: Path, config: dict, notify: Notify, mtp_head: Opt
 
 
 def _is_repo_id(spec: str) -> bool:
-    from ..loader.source import is_repo_id
-
-    return is_repo_id(spec)
+    """ORG/NAME that is no existing path and does not look like one (loader.source.is_repo_id's rule)."""
+    text = str(spec)
+    return not text.startswith((".", "/", "~")) and bool(_REPO_ID.match(text)) and not Path(text).exists()
 
 
 def read_local_base(folder: Path) -> HeadWeights:

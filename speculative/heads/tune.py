@@ -33,7 +33,6 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..config import SamplingParams, SpecConfig
 from ..engine import generate
 from ..errors import DynoError
-from ..loader import LoadedModel
 from .corpus import Corpus
 from .mtp import HeadWeights, MTPHead
 
@@ -92,7 +91,7 @@ def state_dir(out: Path) -> Path:
 
 # --- data ----------------------------------------------------------------------------------------------
 
-def token_stream(lm: LoadedModel, corpus: Corpus, settings: TuneSettings) -> List[int]:
+def token_stream(lm: "LoadedModel", corpus: Corpus, settings: TuneSettings) -> List[int]:
     """The corpus as one stream of token ids: documents as they are, each prompt followed by what the
     model writes after it (greedy unless continue_temperature; drafting with the starting head, which
     leaves the text unchanged), EOS between them."""
@@ -125,7 +124,7 @@ def split(wins: np.ndarray, held_out: float) -> Tuple[np.ndarray, np.ndarray]:
     return wins[:-k], wins[-k:]
 
 
-def batch_for(lm: LoadedModel, settings: TuneSettings, memory: int) -> int:
+def batch_for(lm: "LoadedModel", settings: TuneSettings, memory: int) -> int:
     """Windows per step that fit a quarter of `memory`: per token, the trunk's logits and the head's at
     each step (logits, softmax and their gradients, float32) dominate."""
     vocab, hidden = lm.target.args.vocab_size, lm.target.args.hidden_size
@@ -188,7 +187,7 @@ class Targets:
     weight: List[mx.array]  # per step s: [B, C] 1 where drafting reaches step s (text = greedy before it)
 
 
-def targets(lm: LoadedModel, wins: mx.array, depth: int, top_k: int) -> Targets:
+def targets(lm: "LoadedModel", wins: mx.array, depth: int, top_k: int) -> Targets:
     """The trunk's forward over `wins` [B, T] and the per-step targets of its C = T - depth chains."""
     target = lm.target
     T = wins.shape[1]
@@ -233,7 +232,7 @@ def nbytes(t: Targets) -> int:
     return sum(a.nbytes for a in [t.embed, t.hidden, *t.top_ids, *t.top_logp, *t.greedy, *t.weight])
 
 
-def head_lm_head(lm: LoadedModel, limit: int = 2**31):
+def head_lm_head(lm: "LoadedModel", limit: int = 2**31):
     """The trunk's lm_head for the head's logits: a float32 copy of its weight when it is a float matrix
     under `limit` bytes (its gradient then runs through float32 products, on the CPU through BLAS,
     not the slow bfloat16 path), else the trunk's own (quantized: its dequantizing product)."""
@@ -272,7 +271,7 @@ def estimate(head: MTPHead, lm_head, t: Targets) -> List[float]:
 
 # --- the run -------------------------------------------------------------------------------------------
 
-def training_head(lm: LoadedModel) -> MTPHead:
+def training_head(lm: "LoadedModel") -> MTPHead:
     """A float32 copy of the model's head (the head it was loaded with stays as it is)."""
     if lm.head is None:
         raise DynoError("the model has no MTP head to start from; pass --mtp-head <base>")
@@ -297,16 +296,17 @@ def schedule(settings: TuneSettings):
 class Tune:
     """One tune: its data, head, optimizer and checkpoint folder; `run()` yields Progress per step."""
 
-    def __init__(self, lm: LoadedModel, stream: Sequence[int], settings: TuneSettings, state: Path,
-                 signature: dict):
+    def __init__(self, lm: "LoadedModel", stream: Sequence[int], settings: TuneSettings, state: Path,
+                 signature: dict, memory: int = 2**33):
         self.lm, self.settings, self.state, self.signature = lm, settings, Path(state), signature
         wins = windows(stream, settings.seq_len)
         self.train, self.held = split(wins, settings.held_out)
-        self.batch = min(settings.batch or batch_for(lm, settings, _memory()), len(self.train))
+        self.batch = min(settings.batch or batch_for(lm, settings, memory), len(self.train))  # memory: bytes to size by
         self.head = training_head(lm)
         self.opt = optim.AdamW(learning_rate=schedule(settings), weight_decay=0.0)
         self.opt.init(self.head.trainable_parameters())
         self.step, self.log = 0, []
+        self.settled = True  # head, optimizer and step agree (a checkpoint may be taken)
         self.lm_head = head_lm_head(lm)
         self._grad = nn.value_and_grad(self.head, lambda t: loss_fn(self.head, self.lm_head, t))
         self._held_targets = None
@@ -383,9 +383,11 @@ class Tune:
         while self.step < s.steps:
             t = self.targets_at(self.step)
             loss, grads = self._grad(t)
+            self.settled = False  # head and optimizer are a step ahead of self.step until it is counted
             self.opt.update(self.head, grads)
             mx.eval(loss, self.head.parameters(), self.opt.state)
             self.step += 1
+            self.settled = True
             loss = float(loss.item())
             if not math.isfinite(loss):
                 raise DynoError(f"the loss became {loss} at step {self.step}; try a smaller --lr")
@@ -400,12 +402,6 @@ class Tune:
         """The tuned head's tensors in the dtypes of `like` (the starting head's), norms as the module holds
         them (shifted)."""
         return {k: v.astype(like[k].dtype if k in like else v.dtype) for k, v in tree_flatten(self.head.parameters())}
-
-
-def _memory() -> int:
-    from ..backend.memory import device_memory
-
-    return device_memory()
 
 
 def _write_text(path: Path, text: str) -> None:
