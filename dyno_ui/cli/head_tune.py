@@ -59,8 +59,8 @@ def tune(lm, args, settings, out: Path) -> int:
                 f", held-out acceptance {'/'.join(f'{a:.2f}' for a in estimate)}" if estimate else ""))
             bar.update(1)
     except KeyboardInterrupt:
-        if run.settled:  # else mid-step: the last periodic checkpoint stands
-            run.checkpoint()  # the steps done so far are kept: the same command goes on from here
+        run.settle()  # a stop inside a step goes back to its start
+        run.checkpoint()  # the steps done so far are kept: the same command goes on from here
         bar.close()
         notify(f"dyno: tune stopped at step {run.step}; run the same command to resume ({state})")
         raise

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..config import SamplingParams, SpecConfig
 from ..engine import generate
@@ -345,6 +345,15 @@ class Tune:
         mx.eval(self.head.parameters(), self.opt.state)
         return True
 
+    def settle(self) -> None:
+        """After a stop inside a step: head and optimizer back to where the step began, so they agree with
+        self.step (a checkpoint may then be taken)."""
+        if not self.settled:
+            params, state = self._before
+            self.head.update(params)
+            self.opt.state = state
+            self.settled = True
+
     def checkpoint(self) -> None:
         """Head, optimizer and step into the state folder, each file written whole then renamed."""
         self.state.mkdir(parents=True, exist_ok=True)
@@ -380,10 +389,14 @@ class Tune:
     def run(self) -> Iterator[Progress]:
         """Optimizer steps from where the checkpoint left off to `steps`, checkpointing as it goes."""
         s = self.settings
+        if self.step == 0 and not self.log:  # the starting head's estimate, for the log's first line
+            self.log.append({"step": 0, "estimate": [round(e, 4) for e in self.held_out_estimate()]})
         while self.step < s.steps:
             t = self.targets_at(self.step)
             loss, grads = self._grad(t)
-            self.settled = False  # head and optimizer are a step ahead of self.step until it is counted
+            # Arrays are immutable: holding the step's inputs costs no copy, and a stop inside it goes back to them.
+            self._before = (self.head.parameters(), tree_map(lambda x: x, self.opt.state))
+            self.settled = False  # head and optimizer may be a step ahead of self.step until it is counted
             self.opt.update(self.head, grads)
             mx.eval(loss, self.head.parameters(), self.opt.state)
             self.step += 1

@@ -63,7 +63,7 @@ def test_resumed_tune_makes_the_same_head(tiny_lm, tmp_path):
     whole = _tune(lm, 4, tmp_path / "whole")
     _tune(lm, 4, tmp_path / "cut", stop_after=2)
     resumed = _tune(lm, 4, tmp_path / "cut")
-    assert resumed.step == 4 and [e["step"] for e in resumed.log] == [1, 2, 3, 4]
+    assert resumed.step == 4 and [e["step"] for e in resumed.log] == [0, 1, 2, 3, 4]
     want = dict(tree_flatten(whole.head.parameters()))
     for name, value in tree_flatten(resumed.head.parameters()):
         np.testing.assert_array_equal(np.array(value), np.array(want[name]), err_msg=name)
