@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from dyno_ui import cli
 from helpers import tiny_models
@@ -69,6 +69,23 @@ def test_resumed_tune_makes_the_same_head(tiny_lm, tmp_path):
         np.testing.assert_array_equal(np.array(value), np.array(want[name]), err_msg=name)
     assert any(not np.array_equal(np.array(v), np.array(dict(tree_flatten(lm.head.parameters()))[k]))
                for k, v in want.items())  # it did train
+
+
+def test_a_stop_inside_a_step_goes_back_to_its_start(tiny_lm, tmp_path):
+    """Ctrl-C lands mostly inside a step (its products): settle() puts head and optimizer back where the
+    step began, so the checkpoint taken then agrees with the step count."""
+    run = _tune(tiny_lm(), 2, tmp_path / "state")
+    want = {k: np.array(v) for k, v in tree_flatten(run.head.parameters())}
+    steps_done = int(run.opt.state["step"])
+    loss, grads = run._grad(run.targets_at(2))
+    run._before = (run.head.parameters(), tree_map(lambda x: x, run.opt.state))
+    run.settled = False
+    run.opt.update(run.head, grads)  # the step's update done, its count not yet: where a stop lands
+    mx.eval(run.head.parameters(), run.opt.state)
+    run.settle()
+    assert run.settled and int(run.opt.state["step"]) == steps_done
+    for name, value in tree_flatten(run.head.parameters()):
+        np.testing.assert_array_equal(np.array(value), want[name], err_msg=name)
 
 
 def test_tune_writes_a_head_that_loads_and_keeps_greedy_text(tiny_dir, data, tmp_path):
