@@ -151,3 +151,16 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_dir, data, bad, tmp_path,
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"dyno: error: {fill(message)}"
     assert sorted(Path(tmp_path).iterdir()) == []  # neither the head nor a checkpoint
+
+
+def test_a_quantized_trunk_tunes_its_float_head(tmp_path):
+    """A 4-bit trunk (mlx_lm.convert) with its head in a folder: the head's logits go through the trunk's
+    quantized lm_head, and the float head learns."""
+    model, head = tiny_models.quantized(tiny_models.build(tmp_path / "src", seed=1), tmp_path / "q", group_size=32, bits=4)
+    lm = load_checkpoint(model, mode="mtp", mtp_head=str(head), head_bits=16)
+    settings = tuning.TuneSettings(steps=2, seq_len=32, batch=2, estimate_every=10)
+    run = tuning.Tune(lm, lm.tokenizer.encode(TEXT), settings, tmp_path / "state", {})
+    start = {k: np.array(v) for k, v in tree_flatten(run.head.parameters())}
+    losses = [p.loss for p in run.run()]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    assert any(not np.array_equal(np.array(v), start[k]) for k, v in tree_flatten(run.head.parameters()))
