@@ -4,8 +4,6 @@ checkpoint), acceptance after, then the head folder with its card, written in on
 import sys
 from pathlib import Path
 
-from speculative.errors import DynoError
-
 from .common import notify
 
 EVAL_TOKENS = 128  # tokens each held-out prompt is continued for, before and after

@@ -1,6 +1,8 @@
 """A head's acceptance on held-out text: each prompt continued through the engine's own `generate` at
 each depth, greedy and sampled, folded by GenerationStats (the figures `dyno generate --json` reports).
-The whole vocabulary is drafted from, so the head is measured, not a draft vocabulary."""
+The whole vocabulary is drafted from, so the head is measured, not a draft vocabulary.
+`lm` is a loader.LoadedModel throughout, not imported: loader imports heads, not the reverse.
+"""
 
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
@@ -26,7 +28,7 @@ class Acceptance:
                 "accepted_per_position": s.accepted_per_position, "drafted_per_position": s.drafted_per_position}
 
 
-def acceptance(lm: "LoadedModel", prompts: Sequence[Sequence[int]], depth: int, temperature: float = 0.0,
+def acceptance(lm, prompts: Sequence[Sequence[int]], depth: int, temperature: float = 0.0,
                max_tokens: int = 128, seed: int = 0) -> Acceptance:
     """Drafting `depth` tokens a round, each prompt continued for `max_tokens`; sampled runs are seeded
     (prompt i with seed + i), so a rerun gives the same figures."""
@@ -43,7 +45,7 @@ def acceptance(lm: "LoadedModel", prompts: Sequence[Sequence[int]], depth: int, 
     return Acceptance(depth, temperature, total)
 
 
-def sweep(lm: "LoadedModel", prompts: Sequence[Sequence[int]], depths: Sequence[int],
+def sweep(lm, prompts: Sequence[Sequence[int]], depths: Sequence[int],
           temperatures: Sequence[float], max_tokens: int = 128, seed: int = 0) -> Iterator[Acceptance]:
     """acceptance() for every temperature and depth, one setting at a time as each finishes."""
     for temperature in temperatures:

@@ -12,6 +12,8 @@ it: a draft is only ever extended past drafts the model accepted. On the model's
 (prompts continued first) every row counts.
 
 Trainable state is float32 (head and AdamW moments); the trunk runs at its own precision.
+
+`lm` is a loader.LoadedModel throughout, not imported: loader imports heads, not the reverse.
 """
 
 import hashlib
@@ -91,7 +93,7 @@ def state_dir(out: Path) -> Path:
 
 # --- data ----------------------------------------------------------------------------------------------
 
-def token_stream(lm: "LoadedModel", corpus: Corpus, settings: TuneSettings) -> List[int]:
+def token_stream(lm, corpus: Corpus, settings: TuneSettings) -> List[int]:
     """The corpus as one stream of token ids: documents as they are, each prompt followed by what the
     model writes after it (greedy unless continue_temperature; drafting with the starting head, which
     leaves the text unchanged), EOS between them."""
@@ -124,7 +126,7 @@ def split(wins: np.ndarray, held_out: float) -> Tuple[np.ndarray, np.ndarray]:
     return wins[:-k], wins[-k:]
 
 
-def batch_for(lm: "LoadedModel", settings: TuneSettings, memory: int) -> int:
+def batch_for(lm, settings: TuneSettings, memory: int) -> int:
     """Windows per step that fit a quarter of `memory`: per token, the trunk's logits and the head's at
     each step (logits, softmax and their gradients, float32) dominate."""
     vocab, hidden = lm.target.args.vocab_size, lm.target.args.hidden_size
@@ -187,7 +189,7 @@ class Targets:
     weight: List[mx.array]  # per step s: [B, C] 1 where drafting reaches step s (text = greedy before it)
 
 
-def targets(lm: "LoadedModel", wins: mx.array, depth: int, top_k: int) -> Targets:
+def targets(lm, wins: mx.array, depth: int, top_k: int) -> Targets:
     """The trunk's forward over `wins` [B, T] and the per-step targets of its C = T - depth chains."""
     target = lm.target
     T = wins.shape[1]
@@ -232,7 +234,7 @@ def nbytes(t: Targets) -> int:
     return sum(a.nbytes for a in [t.embed, t.hidden, *t.top_ids, *t.top_logp, *t.greedy, *t.weight])
 
 
-def head_lm_head(lm: "LoadedModel", limit: int = 2**31):
+def head_lm_head(lm, limit: int = 2**31):
     """The trunk's lm_head for the head's logits: a float32 copy of its weight when it is a float matrix
     under `limit` bytes (its gradient then runs through float32 products, on the CPU through BLAS,
     not the slow bfloat16 path), else the trunk's own (quantized: its dequantizing product)."""
@@ -271,7 +273,7 @@ def estimate(head: MTPHead, lm_head, t: Targets) -> List[float]:
 
 # --- the run -------------------------------------------------------------------------------------------
 
-def training_head(lm: "LoadedModel") -> MTPHead:
+def training_head(lm) -> MTPHead:
     """A float32 copy of the model's head (the head it was loaded with stays as it is)."""
     if lm.head is None:
         raise DynoError("the model has no MTP head to start from; pass --mtp-head <base>")
@@ -296,7 +298,7 @@ def schedule(settings: TuneSettings):
 class Tune:
     """One tune: its data, head, optimizer and checkpoint folder; `run()` yields Progress per step."""
 
-    def __init__(self, lm: "LoadedModel", stream: Sequence[int], settings: TuneSettings, state: Path,
+    def __init__(self, lm, stream: Sequence[int], settings: TuneSettings, state: Path,
                  signature: dict, memory: int = 2**33):
         self.lm, self.settings, self.state, self.signature = lm, settings, Path(state), signature
         wins = windows(stream, settings.seq_len)
@@ -463,7 +465,7 @@ def tuned_weights(tune: Tune, like: HeadWeights, source: str) -> HeadWeights:
 
 def card(info: dict) -> str:
     """The head folder's README.md: where it came from, on what, and acceptance before and after."""
-    lines = [f"# MTP head tuned by `dyno head tune`", "",
+    lines = ["# MTP head tuned by `dyno head tune`", "",
              f"- model: `{info['model']}`", f"- base head: `{info['base_head']}`",
              f"- data: `{info['data']}` (sha256 {info['data_sha256'][:16]}, {info['tokens']} tokens, "
              f"{info['windows']} windows of {info['settings']['seq_len']})",

@@ -63,7 +63,7 @@ def test_cli_grafts_and_refuses_in_one_line(models):
     ok = dyno("generate", "--model", str(models["headless"]), "--mtp-base", str(models["donor"]),
               "--speculative", "mtp", "--prompt", "x = 1", "--max-tokens", "8", "--draft-depth", "2")
     assert ok.returncode == 0, ok.stderr
-    assert f"MTP head: " in ok.stderr and f"from {models['donor']}" in ok.stderr
+    assert "MTP head: " in ok.stderr and f"from {models['donor']}" in ok.stderr
     bad = dyno("generate", "--model", str(models["headless"]), "--mtp-head", str(models["narrow"]),
                "--speculative", "mtp", "--prompt", "x = 1", "--max-tokens", "8")
     assert bad.returncode == 2
