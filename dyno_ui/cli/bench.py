@@ -25,6 +25,8 @@ def add_commands(sub) -> None:
     b.add_argument("--mtp-head-bits", metavar="{16,8,4}",
                    help="precision the MTP head is kept at "
                         "(default: follow the trunk; docs/heads.md, Head memory)")
+    b.add_argument("--mtp-head", metavar="DIR", help="the MTP head to draft with (a head folder, a checkpoint with its "
+                   "head embedded, or a repo id; default: the model's own, found as `dyno generate` finds it)")
     b.add_argument("--depths", default="1,2,3,4", help="comma-separated draft depths; `auto` adds the depth --draft-depth auto picks (default: %(default)s)")
     b.add_argument("--temp", type=float, nargs="+", default=[0.0], metavar="T", help="temperatures (default: 0)")
     b.add_argument("--top-p", type=float, default=0.95, help="top-p when T > 0 (default: %(default)s)")
@@ -127,6 +129,7 @@ def cmd_bench(args) -> int:
         raise DynoError(f"--pairs must be at least 1, got {args.pairs}")
     SpecConfig("mtp", draft_vocab=args.draft_vocab)  # checked before anything loads
     lm, spec = load_model(args.model or default_model(), mode="mtp", head_bits=args.mtp_head_bits, notify=notify,
+                          mtp_head=args.mtp_head,
                           draft_depth="auto" if "auto" in names else SpecConfig.draft_depth, draft_vocab=args.draft_vocab)
     vocab = spec.draft_vocab  # auto: the N it picks for this model (None: full)
     auto = spec.draft_depth if "auto" in names else None

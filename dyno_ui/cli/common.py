@@ -55,10 +55,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         f"stored for this model and machine, else a cost-model estimate (default: %(default)s)")
     p.add_argument("--draft-vocab", type=draft_vocab, default=ModelOptions.draft_vocab, metavar="N|auto|full",
                    help=DRAFT_VOCAB_HELP)
-    p.add_argument("--mtp-head", metavar="DIR", help="a standalone MTP head folder to use")
+    p.add_argument("--mtp-head", metavar="DIR",
+                   help="the MTP head to use: a head folder, a checkpoint of the same architecture with its head "
+                        "embedded, or a repo id")
     p.add_argument("--mtp-head-bits", metavar="{16,8,4}", help=HEAD_BITS_HELP)
     p.add_argument("--mtp-base", metavar="REPO",
-                   help="the original repository to take the head from (default: from the model card)")
+                   help="the original repository (or checkpoint folder) to take the head from (default: from the model card)")
     p.add_argument("--distributed", choices=("pipeline", "tensor"),
                    help="split the model across the ranks `mlx.launch` started, by layers (pipeline) or "
                         "within layers (tensor); drafting stays on (docs/distributed.md)")

@@ -23,6 +23,8 @@ from .mtp import HeadWeights, norm_probe, read_checkpoint_head, read_head_folder
 from .tensors import INDEX, check_table, checkpoint_files, decode, dequantize_fp8, read_index
 
 PROMISE = "Set HF_HUB_OFFLINE=1 to prevent the download, or pass --mtp-head <folder>."
+# A fine-tune that ships no head gets one by grafting its base model's and tuning it (measure/head_tune.py).
+MAKE_ONE = ", or make one with `dyno head tune --mtp-head <base>`"
 MAX_CHAIN = 6  # base_model hops before giving up (fine-tune -> quantized -> ... -> original)
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 RELEASE_TABLES = [Path(__file__).with_name("releases.json")]  # official releases by shape, with sources
@@ -143,7 +145,7 @@ class Trail:
         fix = ("--mtp-base ORG/NAME (the original checkpoint)" if self.candidates_here or not offline()
                else "--mtp-head <folder>")
         return DynoError(f"no MTP head for {self.label}: it has no mtp.* tensors; {'; '.join(self.steps)}; "
-                         f"pass {fix}")
+                         f"pass {fix}{MAKE_ONE}")
 
 
 def snapshot_repo(folder: Path) -> Optional[str]:
@@ -455,7 +457,7 @@ def _offline_error(label: str, repos: List[str]) -> DynoError:
            else "the Hugging Face Hub could not be reached to download it")
     return DynoError(
         f"no MTP head for {label}: looked for {', '.join(repos)} in {cached_heads_dir()} and in "
-        f"the Hugging Face cache; {why}. Pass --mtp-head <folder>."
+        f"the Hugging Face cache; {why}. Pass --mtp-head <folder>{MAKE_ONE}."
     )
 
 
@@ -473,8 +475,11 @@ def resolve_head(model_folder: Path, config: dict, notify: Notify, mtp_head: Opt
     was loaded by (mlx-community/...), whose card names the original; own=False skips the model's
     own mtp.* tensors (the loader tried them and they could not be used). No head: a DynoError that
     says what was tried."""
-    if mtp_head:
+    if mtp_head and not _is_repo_id(mtp_head):
         return read_head_folder(Path(mtp_head).expanduser())
+    if mtp_base and not _is_repo_id(mtp_base):  # a folder on disk, not a repo id: read it where it is
+        return read_local_base(Path(mtp_base).expanduser())
+    mtp_base = mtp_head or mtp_base  # a repo id either way: the head in its index, cached once
     own_head = read_checkpoint_head(model_folder) if own else None
     if own_head is not None:
         return own_head
@@ -493,6 +498,21 @@ def resolve_head(model_folder: Path, config: dict, notify: Notify, mtp_head: Opt
         return read_cached_head(cached)
     cache_head(base, hub, lambda: config.get("text_config", config), lambda: _offline_error(trail.label, [base]))
     return read_head_folder(cached)
+
+
+def _is_repo_id(spec: str) -> bool:
+    """ORG/NAME that is no existing path and does not look like one (loader.source.is_repo_id's rule)."""
+    text = str(spec)
+    return not text.startswith((".", "/", "~")) and bool(_REPO_ID.match(text)) and not Path(text).exists()
+
+
+def read_local_base(folder: Path) -> HeadWeights:
+    """`--mtp-base FOLDER`: the head of a checkpoint (or head folder) on disk, read in place."""
+    if not folder.is_dir():
+        raise DynoError(f"--mtp-base {folder}: no such folder, and not a repo id (ORG/NAME)")
+    if any(folder.glob("*.safetensors")) and not checkpoint_has_head(folder) and "fc.weight" not in checkpoint_files(folder):
+        raise DynoError(f"--mtp-base {folder} has no MTP head: its checkpoint holds no mtp.* tensors")
+    return read_head_folder(folder)
 
 
 def cache_head(base: str, hub: Hub, text_config: Callable[[], dict],

@@ -202,7 +202,8 @@ def read_head_folder(folder: Path) -> HeadWeights:
     except ValueError as e:
         raise DynoError(f"{config_path} is not valid JSON: {e}") from None
     if isinstance(config, dict) and "format" not in config and any(folder.glob("*.safetensors")):
-        return read_drafter_folder(folder, config)
+        embedded = read_embedded_head(folder, config)
+        return embedded if embedded is not None else read_drafter_folder(folder, config)
     if not isinstance(config, dict) or config.get("format") != HEAD_FORMAT:
         raise DynoError(f"not an MTP head folder ({config_path} has no \"format\": \"{HEAD_FORMAT}\")")
     problem = _head_config_problem(config)
@@ -216,6 +217,22 @@ def read_head_folder(folder: Path) -> HeadWeights:
     quantization = config.get("quantization")
     return HeadWeights(tensors, norms_shifted=config["norms_shifted"], source=str(folder), provenance=config,
                        quantization=quantization if isinstance(quantization, dict) else None)
+
+
+def read_embedded_head(folder: Path, config: dict) -> Optional[HeadWeights]:
+    """The head of a full checkpoint (trunk and `mtp.*` tensors, as the bundled model ships), for
+    grafting onto another model; None when `folder` is no such checkpoint (a drafter repo, whose
+    tensors are all the head's). Only the head's tensors are read; `text_config` records the shape
+    and vocabulary it was made for, which the loader holds against the model's."""
+    names = list(checkpoint_files(folder))
+    if not any(_strip(n) for n in names) or all(_strip(n) for n in names):
+        return None
+    head = read_checkpoint_head(folder)
+    if head is None:  # an index naming head shards this snapshot lacks
+        raise DynoError(f"the checkpoint in {folder} lists mtp.* tensors but lacks the files that hold them")
+    text = config.get("text_config", config)
+    head.provenance["text_config"] = text if isinstance(text, dict) else {}
+    return head
 
 
 def read_drafter_folder(folder: Path, config: dict) -> HeadWeights:
@@ -256,7 +273,8 @@ def _head_config_problem(config: dict) -> Optional[str]:
     return None
 
 
-def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra: dict = None) -> Path:
+def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra: dict = None,
+                      files: Optional[Dict[str, str]] = None) -> Path:
     """Write a standalone head folder atomically (temp folder, then rename); norms stored shifted,
     or as read with `norms_shifted: null` when their convention is still to be decided."""
     folder = Path(folder)
@@ -282,6 +300,8 @@ def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra:
         if config["architecture"] == "moe":  # quantized MoE heads collapse acceptance (5-11% vs 79-85%)
             config["moe_experts_dtype"] = "bfloat16 (never quantized)"
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name, text in (files or {}).items():  # a card (README.md) goes in with the head, atomically
+            (tmp / name).write_text(text)
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)

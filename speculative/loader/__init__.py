@@ -222,7 +222,7 @@ def _find_and_build_head(lm: LoadedModel, mtp_head: Optional[str], mtp_base: Opt
 
 def _build(lm: LoadedModel, weights, note, bits=None) -> None:
     """Build `weights` into lm.head, deciding its norm convention first when provenance did not."""
-    _check_vocab(lm, weights)
+    _check_fit(lm, weights)
     trunk_quantization = lm.config.get("quantization")
     quantization = weights.quantization or trunk_quantization
     chosen = precision.head_bits(bits, trunk_quantization)
@@ -255,13 +255,15 @@ def _cause(e: Exception) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-def _check_vocab(lm: LoadedModel, weights) -> None:
-    """A standalone head records the vocabulary it was trained with; it must be the trunk's."""
+def _check_fit(lm: LoadedModel, weights) -> None:
+    """A standalone head (or a checkpoint it is grafted from) records the hidden size and vocabulary it
+    was trained with; they must be the trunk's."""
     text = weights.provenance.get("text_config")
     text = text if isinstance(text, dict) else {}
-    want = lm.target.args.vocab_size
-    if "vocab_size" in text and text["vocab_size"] != want:
-        raise DynoError(
-            f"MTP head in {weights.source} does not fit this model: it was made for a vocabulary "
-            f"of {text['vocab_size']}, the model has {want}"
-        )
+    args = lm.target.args
+    # The hidden size first: a head of another size also fails on fc's shape, less plainly.
+    for key, what in (("hidden_size", "a hidden size"), ("vocab_size", "a vocabulary")):
+        want = getattr(args, key)
+        if key in text and text[key] != want:
+            raise DynoError(f"MTP head in {weights.source} does not fit this model: it was made for "
+                            f"{what} of {text[key]}, the model has {want}")

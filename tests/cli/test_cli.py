@@ -13,6 +13,7 @@ from helpers.reference import plain_greedy
 from dyno_ui.cli.generate import sampling_from
 from dyno_ui.paths import BUNDLED_MODEL
 from speculative.loader import load_checkpoint
+from speculative.heads.find import MAKE_ONE
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +57,7 @@ def test_auto_without_head_decodes_plainly(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert lines[0] == ("dyno: decoding without drafts: no MTP head for nohead: it has no mtp.* tensors; "
                         "card: none (no README.md, no repo id); config hints: none; base_model chain: none; "
-                        "shape table: no match; pass --mtp-head <folder>")
+                        "shape table: no match; pass --mtp-head <folder>" + MAKE_ONE)
     assert lines[-1].startswith("Plain: 8 tokens, no drafting")
 
 
@@ -81,7 +82,7 @@ BAD_INPUT = [
      "{root}/llama is a llama model; MTP drafting needs a Qwen3.5/3.6/3.8 model (model_type qwen3_5 or qwen3_5_moe)"),
     (["--model", "{root}/nohead", "--speculative", "mtp"],
      "no MTP head for nohead: it has no mtp.* tensors; card: none (no README.md, no repo id); config hints: none; "
-     "base_model chain: none; shape table: no match; pass --mtp-head <folder>"),
+     "base_model chain: none; shape table: no match; pass --mtp-head <folder>" + MAKE_ONE),
     (["--model", "{root}/nohead", "--mtp-head", "{root}/missing", "--speculative", "mtp"],
      "MTP head folder not found: {root}/missing"),
     (["--model", "{root}/nohead", "--mtp-head", "{root}/empty", "--speculative", "mtp"],

@@ -14,6 +14,7 @@ from helpers.fake_hub import FakeHub
 from helpers.reference import plain_greedy
 from helpers.serving import running_server
 from speculative.loader import load_checkpoint
+from speculative.heads.find import MAKE_ONE
 
 REPO = "mlx-community/dyno-tiny-mlx"
 PROMPT = "def fib(n):\n"
@@ -174,7 +175,7 @@ def test_the_name_typed_is_the_name_served(hub, in_process, tiny_dir, monkeypatc
         assert (lm.name, lm.repo_id, server.served.id) == (REPO, REPO, REPO)
         assert notes[0].startswith(f"dyno: downloading {REPO} from the Hugging Face Hub")
         assert notes[-1].startswith(f"dyno: decoding without drafts: no MTP head for {REPO}: it has no mtp.* tensors; ")
-        assert notes[-1].endswith("pass --mtp-base ORG/NAME (the original checkpoint)")
+        assert notes[-1].endswith("pass --mtp-base ORG/NAME (the original checkpoint)" + MAKE_ONE)
         assert [m["id"] for m in server.get("/v1/models").json()["data"]] == [REPO]
 
 

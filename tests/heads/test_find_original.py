@@ -17,6 +17,7 @@ from speculative.engine import generate
 from speculative.events import Round, Token
 from speculative.heads import find
 from speculative.loader import load_checkpoint
+from speculative.heads.find import MAKE_ONE
 
 ROOT = Path(__file__).resolve().parents[2]
 ORIGINAL, CONVERSION = ROOT / "assets" / "dyno-tiny", ROOT / "assets" / "dyno-tiny-mlx"
@@ -116,7 +117,7 @@ def test_nothing_found_says_what_was_tried(offline_cache):
     assert lm.notices == [
         f"dyno: decoding without drafts: no MTP head for {MLX_REPO}: it has no mtp.* tensors; "
         f"card of {MLX_REPO}: not in the Hugging Face cache (offline); config hints: none; "
-        f"base_model chain: none; shape table: no match; pass --mtp-head <folder>"]
+        f"base_model chain: none; shape table: no match; pass --mtp-head <folder>" + MAKE_ONE]
 
 
 def test_the_name_typed_finds_the_card(offline_cache, tmp_path):

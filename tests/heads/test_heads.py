@@ -15,6 +15,7 @@ from helpers import run
 from speculative.heads.find import PROMISE
 from speculative.loader import load_checkpoint
 from speculative.heads.tensors import read_header
+from speculative.heads.find import MAKE_ONE
 
 pytestmark = pytest.mark.e2e
 
@@ -129,7 +130,7 @@ def test_offline_with_nothing_cached(repos, env, tmp_path):
     assert r.stderr.strip().splitlines()[-1] == (
         "dyno: error: no MTP head for conversion: looked for org/finetune in "
         f"{tmp_path / 'dyno' / 'mtp'} and in the Hugging Face cache; HF_HUB_OFFLINE=1 prevents "
-        "downloading it. Pass --mtp-head <folder>."
+        "downloading it. Pass --mtp-head <folder>" + MAKE_ONE + "."
     )
     auto = generate(env, repos["conversion"], offline=True)
     assert auto.returncode == 0
