@@ -79,6 +79,13 @@ def extend(batch: List, rows: List) -> None:
         mine.extend(theirs)
 
 
+def own_head(row: Row, head: List, b: int) -> List:
+    """Row b's head caches out of the batch's; a row that joined with a head lacking its first rows
+    (an entry made without drafting) gets them back as absent (ShiftedKVCache)."""
+    rows = [c.extract(b) for c in head]
+    return [ShiftedKVCache(row.head_shift, h) for h in rows] if row.head_shift else rows
+
+
 def keep_rows(batch: List, indices: List[int]) -> None:
     """Keep only the rows at `indices` of every cache in `batch`."""
     index = mx.array(indices)
@@ -299,11 +306,9 @@ class BatchSpeculator(Rounds):
     def _joiner_leaving(self, row: Row, trunk: List, head: List, hidden: mx.array, b: int) -> Leaving:
         """A joiner that ended at its first token: its own caches (the head's without the first
         token's row, which settling drops anyway) and its last prompt token's pass."""
-        if any(getattr(c, "keys", True) is None for c in head):  # a one-token prompt: no head row yet
+        if any(c.keys is None for c in head):  # a one-token prompt: no head row yet
             return Leaving(row, [c.extract(b) for c in trunk], None, LastPass(None, hidden[b : b + 1], 1))
-        heads = [c.extract(b) for c in head]
-        if row.head_shift:
-            heads = [ShiftedKVCache(row.head_shift, h) for h in heads]
+        heads = own_head(row, head, b)
         n = len(row.prompt)
         return Leaving(row, [c.extract(b) for c in trunk], heads if all(h.offset == n - 1 for h in heads) else None,
                        LastPass(None, hidden[b : b + 1], 1))
@@ -352,9 +357,7 @@ class BatchSpeculator(Rounds):
         """Row b's head caches, a row per trunk position (those depth-0 rounds owe it run now, on its
         own copy), or None when it has fewer (it joined with a shifted head: a headless entry)."""
         row = self.rows[b]
-        head = [c.extract(b) for c in self.head_cache]
-        if row.head_shift:  # it joined with a head lacking its first rows: they stay absent
-            head = [ShiftedKVCache(row.head_shift, h) for h in head]
+        head = own_head(row, self.head_cache, b)
         if any(h.offset + len(self.backlog) != len(row.prompt) + len(row.generated) - 1 for h in head):
             return None
         if self.backlog:

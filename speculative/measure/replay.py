@@ -91,7 +91,7 @@ def scripted(computed: mx.array, drafts: List[List[int]]) -> mx.array:
 class ReplayedDrafter(HeadDrafter):
     """The head's drafts, computed, then swapped for each row's script: row `row_id` against
     `references[row_id]` (that row's plain greedy tokens) with its own seed, so a row's rounds do not
-    depend on the rows beside it. Greedy rows only; `subset`: a draft vocabulary's sorted ids."""
+    depend on the rows beside it. Greedy rows only."""
 
     def __init__(self, references: Dict[Hashable, Sequence[int]], profile: Sequence[float], vocab: int,
                  seed: int = 0, draft_head=None, row_seeds: bool = True):
