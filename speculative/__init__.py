@@ -26,35 +26,36 @@ __all__ = [
 
 
 def load_model(path, mode: str = "auto", draft_depth="auto", draft_vocab="auto", notify=None, split=None,
-               **load_kw):
+               batched: bool = False, **load_kw):
     """(LoadedModel, SpecConfig): `path` loaded and how it drafts settled, once.
 
     The model and its head (loader.load_checkpoint; `load_kw`: mtp_head, mtp_base, head_bits), then the draft
-    vocabulary (N, "auto" or None: draft_vocab.head.resolve), then the depth (N or "auto":
-    measure.tuning.resolve_depth), as a SpecConfig for `generate`. `notify` receives the notices.
+    vocabulary (N, "auto" or None: draft_vocab.head.resolve), then the depth (N or "auto", depth.decide):
+    the SpecConfig's `draft_depth` for a request decoded alone and its `policy` for batched rounds
+    (`batched`: measured for them when "auto"; else pinned at that depth). `notify` receives the notices.
     `split` (a distributed.Member) loads this rank's part instead: its depth is the one given, else the
-    one `dyno tune` stored, else the default, never a cost-model estimate (its timing runs would be
-    collectives on one rank alone), and each rank's engine resolves the draft vocabulary alike.
+    one `dyno tune` stored, else the default, never a cost-model estimate, and each rank's engine
+    resolves the draft vocabulary alike.
     """
     # Imported here: they pull in MLX and mlx-lm, which settings and errors alone do not need.
     from .attention_kernels import depth_notice
     from .config import DEFAULT_DRAFT_DEPTH
+    from .depth import decide
     from .draft_vocab.head import resolve
     from .loader import load_checkpoint as load
-    from .measure.tuning import resolve_depth, stored
 
     if split is not None:
         lm = split.load(path, mode=mode, notify=notify, **load_kw)
-        depth = draft_depth if draft_depth != "auto" else (stored(lm) or {}).get("depth", DEFAULT_DRAFT_DEPTH)
         vocab = draft_vocab
     else:
         lm = load(path, mode=mode, notify=notify, **load_kw)
         vocab = resolve(lm, draft_vocab, notify)
-        depth = resolve_depth(lm, draft_depth, vocab) if lm.head is not None else DEFAULT_DRAFT_DEPTH
-    notice = depth_notice(lm.text_config, int(depth)) if lm.head is not None and mode != "off" else None
+    depth, policy = decide(lm, draft_depth, vocab, DEFAULT_DRAFT_DEPTH, batched=batched and split is None,
+                           split=split is not None, notify=notify or (lambda message: None))
+    notice = depth_notice(lm.text_config, depth) if lm.head is not None and mode != "off" else None
     if notice is not None and notify is not None:
         notify(f"warning: {notice}")
-    return lm, SpecConfig(mode, int(depth), vocab)
+    return lm, SpecConfig(mode, depth, vocab, policy=policy)
 
 
 def __getattr__(name):

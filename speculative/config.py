@@ -1,7 +1,7 @@
 """Frozen, validated settings: how to sample and how to speculate."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Optional, Tuple, Union
 
 from .errors import DynoError
@@ -147,6 +147,9 @@ class SpecConfig:
     # Round events carry p, q and the acceptance chance of each draft (events.RoundDetails): one
     # more device-to-host copy per round, so off unless a viewer asks.
     details: bool = False
+    # Each batched round's depth (a round.depth_policy.DepthPolicy), decided with draft_depth when the
+    # model was loaded (load_model); None: pinned at draft_depth. Shared by every request of that model.
+    policy: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.mode not in MODES:

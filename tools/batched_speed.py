@@ -49,7 +49,8 @@ from speculative.measure.random_checkpoint import built, scaled_down  # noqa: E4
 from speculative.measure.batch_cost import measure_batch_costs  # noqa: E402
 from speculative.measure.replay import ReplayedBatch, parse_profile  # noqa: E402
 from speculative.round.drafter import HeadDrafter  # noqa: E402
-from speculative.round.depth_policy import MAX_DEPTH, DepthPolicy, RoundTimer  # noqa: E402
+from speculative.measure.batch_cost import TIMED_DEPTH  # noqa: E402
+from speculative.round.depth_policy import DepthPolicy, RoundTimer  # noqa: E402
 from speculative.measure.scale import draft_head, draft_vocab_floor, random_prompt  # noqa: E402
 from speculative.measure.suites import SUITES, encode  # noqa: E402
 
@@ -186,7 +187,7 @@ def run(args, lm, label, profile=None) -> None:
             make = BatchSpeculator
         else:
             prompts = [random_prompt(args.context, seed=i) for i in range(width)]
-            deepest = max(args.depths + ([MAX_DEPTH] if args.policy else []))  # what a round may draft
+            deepest = max(args.depths + ([TIMED_DEPTH] if args.policy else []))  # what a round may draft
             make, head = replayed(lm, prompts, n, deepest, profile, args.draft_vocab)
         methods = {f"batched depth {d}": (lambda d=d: batched_drafting(lm, prompts, n, DepthPolicy(None, [], pinned=d), make))
                    for d in args.depths}

@@ -272,8 +272,7 @@ def cmd_concurrent(args) -> int:
     from speculative import load_model
     from speculative.config import SamplingParams, SpecConfig
     from speculative.measure.batch_bench import concurrent_benchmark
-    from speculative.measure.batch_cost import resolve_policy
-    from speculative.measure.tuning import resolve_depth
+    from speculative.depth import batched_policy, single_depth
 
     try:
         widths = [int(n) for n in args.concurrency.split(",")]
@@ -286,8 +285,8 @@ def cmd_concurrent(args) -> int:
     lm, spec = load_model(args.model or default_model(), mode="mtp", head_bits=args.mtp_head_bits, notify=notify,
                           draft_depth=SpecConfig.draft_depth, draft_vocab=args.draft_vocab)
     vocab = spec.draft_vocab
-    serial_depth = resolve_depth(lm, args.draft_depth, vocab)
-    policy = resolve_policy(lm, args.draft_depth, vocab)
+    serial_depth = single_depth(lm, args.draft_depth, vocab)
+    policy = batched_policy(lm, args.draft_depth, vocab)
     pool = [item for suite in (SUITES if args.suite == "all" else [args.suite]) for item in SUITES[suite]]
     params = SamplingParams(temperature=args.temp[0], top_p=args.top_p if args.temp[0] else 1.0,
                             top_k=args.top_k if args.temp[0] else 0, max_tokens=args.max_tokens, seed=0)

@@ -171,7 +171,8 @@ class Sessions:
         path = str(path).strip()
 
         def load():
-            return load_model(path, notify=notify, head_bits=head_bits)  # the defaults, as `dyno serve`'s
+            return load_model(path, notify=notify, head_bits=head_bits,  # the defaults, as `dyno serve`'s
+                              batched=self.served.worker.batched)
 
         # Until the swap, API requests get a 503 "model loading"; one checked against the old model
         # but queued after the swap is failed by the worker (Job.lm), never served by the new one.

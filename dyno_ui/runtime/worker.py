@@ -70,17 +70,14 @@ class EngineWorker:
     def __init__(self, load: Callable[[], Tuple[LoadedModel, SpecConfig]], decode_concurrency: int = 1,
                  prompt_cache_bytes: Optional[int] = None, prompt_cache_dir: Optional[Path] = None,
                  prompt_cache_disk_bytes: Optional[int] = None, max_queue: int = MAX_QUEUE,
-                 max_batch_memory: Optional[int] = None,
-                 depth_policy: Optional[Callable[[LoadedModel, SpecConfig], DepthPolicy]] = None,
-                 memory: Memory = MLX_MEMORY):
+                 max_batch_memory: Optional[int] = None, memory: Memory = MLX_MEMORY):
         self.load = load  # runs on the engine thread: loading and depth tuning are MLX work too
         self.spec = SpecConfig()
         self.concurrency = decode_concurrency
         self.max_batch_memory = max_batch_memory  # None: memory.default_batch_memory for the model
         self.memory = memory  # the MLX memory calls (wired limit, buffer cache), as mlx-lm makes them
-        # Batched drafting's depth per round: made on the engine thread once the model is loaded
-        # (measuring costs is MLX work); by default pinned at the depth the model was loaded with.
-        self.depth_policy = depth_policy or (lambda lm, spec: DepthPolicy(None, [], pinned=spec.draft_depth))
+        # Batched drafting's depth per round: the model's (load_model decides it with the depth,
+        # batched=worker.batched), else pinned at the depth it was loaded with.
         self.policy: Optional[DepthPolicy] = None
         # The prompt cache: made for each model once it is loaded (its disk folder is per model).
         self.prompt_cache_options = (prompt_cache_bytes, prompt_cache_dir, prompt_cache_disk_bytes)
@@ -136,7 +133,7 @@ class EngineWorker:
         """
         def swap():
             lm, spec = load()
-            policy = self.depth_policy(lm, spec) if self._batches_drafts(lm, spec) else None
+            policy = self._policy(lm, spec)
             self.prefix_cache.close()  # its entries belong to the old model (to disk, if kept there)
             self.lm, self.spec, self.eos, self.policy = lm, spec, lm.eos_token_ids, policy
             self._new_prompt_cache()
@@ -198,8 +195,7 @@ class EngineWorker:
             self.eos = self.lm.eos_token_ids
             self.metrics = ServerMetrics(self.spec.draft_depth if self.drafting else None)
             self.metrics.watch_head(lambda: self.lm.head_health if self.lm is not None else None)
-            if self._batches_drafts(self.lm, self.spec):
-                self.policy = self.depth_policy(self.lm, self.spec)
+            self.policy = self._policy(self.lm, self.spec)
             self._new_prompt_cache()
             return True
         except BaseException as e:
@@ -211,6 +207,17 @@ class EngineWorker:
             return False
         finally:
             self._ready.set()
+
+    @property
+    def batched(self) -> bool:
+        """True when requests share rounds: what a model is loaded for (load_model's `batched`)."""
+        return self.concurrency > 1
+
+    def _policy(self, lm: LoadedModel, spec: SpecConfig) -> Optional[DepthPolicy]:
+        """The depth policy batched drafting runs `lm` with (None when it does not batch drafts)."""
+        if not self._batches_drafts(lm, spec):
+            return None
+        return spec.policy if spec.policy is not None else DepthPolicy(None, [], pinned=spec.draft_depth)
 
     def _batches_drafts(self, lm: LoadedModel, spec: SpecConfig) -> bool:
         """True when this worker serves `lm` by batched drafting (and needs a depth policy for it)."""

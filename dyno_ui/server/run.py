@@ -115,8 +115,6 @@ def run(options: ServeOptions) -> int:
 
     from speculative import distributed, load_model
 
-    from speculative.measure.batch_cost import resolve_policy
-
     from ..runtime.served import ServedModel
     from ..runtime.worker import EngineWorker
 
@@ -138,15 +136,14 @@ def run(options: ServeOptions) -> int:
 
     def load():
         return load_model(path, **m.load_args(), draft_depth=m.draft_depth, draft_vocab=m.draft_vocab,
-                          notify=notify, split=split)
+                          notify=notify, split=split, batched=options.width > 1)
 
     # Split across ranks: no prompt cache (each rank's store would evict by its own shard's bytes).
     worker = EngineWorker(load, decode_concurrency=options.width,
                           prompt_cache_bytes=0 if split else options.prompt_cache_bytes,
                           prompt_cache_dir=None if split else options.prompt_cache_dir,
                           prompt_cache_disk_bytes=options.prompt_cache_disk_bytes, max_queue=options.max_queue,
-                          max_batch_memory=options.max_batch_memory,
-                          depth_policy=lambda lm, spec: resolve_policy(lm, m.draft_depth, spec.draft_vocab, notify))
+                          max_batch_memory=options.max_batch_memory)
     lm = worker.start()  # notices were printed while loading
     served = ServedModel(id=lm.name, lm=lm, worker=worker, default_max_tokens=options.max_tokens_default,
                          created=int(time.time()), names=options.served_model_names,

@@ -1,5 +1,5 @@
 """Measuring the batched round's costs on this model and machine (V, D and whole rounds, the
-cost model of round/depth_policy.py), and the policy a server starts with (resolve_policy)."""
+cost model of round/depth_policy.py); depth.py decides from them."""
 
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -12,17 +12,20 @@ from ..draft_vocab.head import greedy_token
 from ..errors import DynoError
 from ..loader import LoadedModel
 from ..rollback import restore, snapshot
-from ..round.depth_policy import MAX_DEPTH, BatchCosts, DepthPolicy, typical
+from ..round.depth_policy import BatchCosts, typical
 from .cost_model import interleaved
-from .tuning import ESTIMATE_PROMPT, PRIOR_DECAY, PRIOR_FIRST, resolve_depth, store, stored
 
 WIDTHS = (1, 2, 4, 8)  # batch widths measured; others are interpolated
+# Depths timed (the policy never drafts deeper than it has costs for): a chained head's acceptance
+# rarely pays past 4, and timing to config.MAX_DRAFT_DEPTH (8) took 3x as long (65 s against 21 s
+# for dyno-tiny on this 2-core machine).
+TIMED_DEPTH = 4
 
 
 # ---- measuring on this model and machine ----
 
 def measure_batch_costs(lm: LoadedModel, prompt: Sequence[int], widths: Sequence[int] = WIDTHS,
-                        max_depth: int = MAX_DEPTH, reps: int = 5, burst: int = 1,
+                        max_depth: int = TIMED_DEPTH, reps: int = 5, burst: int = 1,
                         draft_vocab: Optional[int] = None,
                         make: Optional[Callable[[], BatchSpeculator]] = None) -> BatchCosts:
     """V(B, t) for t in 1..max_depth+1 and D(B), each B rows of `prompt` in a BatchSpeculator's caches
@@ -123,32 +126,3 @@ def _builders(batch: BatchSpeculator, width: int, max_depth: int) -> dict:
     out = {("V", width, 1): plain, ("D", width): draft}
     out.update({("V", width, t): verify(t) for t in range(2, max_depth + 2)})
     return out
-
-
-def prior_acceptance(lm: LoadedModel, draft_vocab: Optional[int] = None) -> List[float]:
-    """Acceptance by position before any round: the tuned or estimated one stored, else the prior."""
-    found = stored(lm, draft_vocab) or {}
-    return list(found.get("acceptance") or [PRIOR_FIRST * PRIOR_DECAY**i for i in range(MAX_DEPTH)])
-
-
-def resolve_policy(lm: LoadedModel, requested, draft_vocab: Optional[int] = None,
-                   notify: Callable[[str], None] = lambda message: None) -> DepthPolicy:
-    """`--draft-depth N`: a policy pinned at N; "auto": the costs `dyno tune` stored, else a quick
-    measurement (seconds; stored with the entry, so the next start reads it), announced by `notify`."""
-    if requested != "auto":
-        return DepthPolicy(None, [], pinned=int(requested))
-    found = stored(lm, draft_vocab)
-    if not found:  # the single-request estimate first: its acceptance is this policy's prior
-        resolve_depth(lm, "auto", draft_vocab)
-        found = stored(lm, draft_vocab) or {}
-    prior = prior_acceptance(lm, draft_vocab)
-    single = int(found.get("depth", 1))
-    if found.get("batch_costs"):
-        return DepthPolicy(BatchCosts.from_json(found["batch_costs"]), prior, single=single)
-    notify("dyno: timing batched rounds of this model on this machine, once (stored for later starts; "
-           "--decode-concurrency 1 serves without them)")
-    prompt = lm.tokenizer.encode(ESTIMATE_PROMPT) or [0]
-    costs = measure_batch_costs(lm, prompt, reps=3, draft_vocab=draft_vocab)
-    details = {k: v for k, v in found.items() if k not in ("depth", "draft_vocab")}
-    store(lm, single, {**details, "batch_costs": costs.as_json()}, draft_vocab)
-    return DepthPolicy(costs, prior, single=single)

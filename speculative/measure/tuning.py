@@ -11,11 +11,11 @@ import os
 import platform
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cost_model import cost_model, speedup_bound
+from .cost_model import speedup_bound
 from ..config import MAX_DRAFT_DEPTH
 from ..heads.find import dyno_cache_dir
 from ..loader import LoadedModel
@@ -24,6 +24,12 @@ from ..loader import LoadedModel
 # and each further position about 0.75 of the previous (real heads: 0.93/0.86/0.75 at depth 3
 # on Qwen3.8-27B, 0.87/0.72/0.63 on stock MLX per MTPLX's reports).
 PRIOR_FIRST, PRIOR_DECAY = 0.8, 0.75
+
+
+def prior_rates(n: int = MAX_DRAFT_DEPTH) -> List[float]:
+    """The prior's acceptance at draft positions 1..n."""
+    return [PRIOR_FIRST * PRIOR_DECAY**i for i in range(n)]
+
 ESTIMATE_PROMPT = ('import os\nimport sys\n\n\ndef list_files(root, suffix=".py"):\n'
                    '    """Return the paths under root that end with suffix, sorted."""\n')
 
@@ -82,29 +88,6 @@ def best_by_cost(costs: dict, acceptance: Sequence[float]) -> int:
              for k, tv in costs["Tv"].items()}
     top = max(score.values())
     return min(k for k, v in score.items() if v >= (1 - SAME_WITHIN) * top)
-
-
-def resolve_depth(lm: LoadedModel, requested, draft_vocab: Optional[int] = None, drafter=None) -> int:
-    """An explicit depth as given; "auto": the stored one, else a cost-model estimate (stored too),
-    for drafts scored over `draft_vocab` tokens (draft_vocab.resolve's N; None: the whole vocabulary).
-    `drafter` goes to the estimate's acceptance run (engine.generate's seam)."""
-    if requested != "auto":
-        return int(requested)
-    if lm.head is None:
-        return 1
-    found = stored(lm, draft_vocab)
-    if found:
-        return int(found["depth"])
-    depths = list(range(1, 5))
-    # Open-ended code, so that a short greedy run does not stop at once (code is where MTP heads
-    # are judged, and what `dyno bench`'s default suite measures).
-    prompt = lm.tokenizer.encode(ESTIMATE_PROMPT) or [0]
-    costs = cost_model(lm, prompt, depths, reps=9, burst=1, draft_vocab=draft_vocab)  # about two seconds
-    acceptance = measured_acceptance(lm, prompt, max(depths), draft_vocab=draft_vocab, drafter=drafter) or [
-        PRIOR_FIRST * PRIOR_DECAY**i for i in range(MAX_DRAFT_DEPTH)]
-    depth = best_by_cost(costs, acceptance)
-    store(lm, depth, {"source": "estimate", "cost_model": costs, "acceptance": acceptance}, draft_vocab)
-    return depth
 
 
 def measured_acceptance(lm: LoadedModel, prompt: Sequence[int], depth: int, tokens: int = 64,

@@ -21,9 +21,9 @@ import time
 from collections import deque
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from ..config import MAX_DRAFT_DEPTH
 from ..events import Round
 
-MAX_DEPTH = 4  # deepest depth the policy considers
 # The prior counts as this many rounds at each position: the measured acceptance takes over
 # within a few rounds, and a position drafted rarely keeps near the prior.
 PRIOR_ROUNDS = 8.0
@@ -213,7 +213,7 @@ class DepthPolicy:
     policy 0.82x serial drafting, rounds at the tuned depth 0.96x).
     """
 
-    def __init__(self, costs: Optional[BatchCosts], prior: Sequence[float], max_depth: int = MAX_DEPTH,
+    def __init__(self, costs: Optional[BatchCosts], prior: Sequence[float], max_depth: int = MAX_DRAFT_DEPTH,
                  pinned: Optional[int] = None, single: Optional[int] = None):
         if costs is None and pinned is None:
             raise ValueError("a depth policy needs costs or a pinned depth")

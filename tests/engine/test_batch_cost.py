@@ -7,8 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
+import speculative.depth as deciding
+from speculative.config import MAX_DRAFT_DEPTH
 from speculative.events import Provenance, Round, Token
-from speculative.measure import batch_cost, tuning
+from speculative.measure import tuning
 from speculative.measure.batch_cost import measure_batch_costs, monotone
 from speculative.round import depth_policy
 from speculative.round.depth_policy import BatchCosts, DepthPolicy
@@ -114,12 +116,12 @@ def test_auto_uses_the_stored_costs(monkeypatch, tmp_path):
     monkeypatch.setenv("DYNO_CACHE", str(tmp_path))
     lm = SimpleNamespace(path=tmp_path / "model", head=object())
     tuning.store(lm, 2, {"source": "measured", "acceptance": ACCEPTANCE, "batch_costs": COSTS.as_json()}, None)
-    monkeypatch.setattr(batch_cost, "measure_batch_costs", None)  # calling it would fail
-    policy = batch_cost.resolve_policy(lm, "auto")
-    assert policy.acceptance() == pytest.approx(ACCEPTANCE + [0.0])
+    monkeypatch.setattr(deciding, "measure_batch_costs", None)  # calling it would fail
+    policy = deciding.batched_policy(lm, "auto")
+    assert policy.acceptance() == pytest.approx(ACCEPTANCE + [0.0] * (MAX_DRAFT_DEPTH - len(ACCEPTANCE)))
     # One row: the single-request engine's stored depth (the costs alone would say 3).
     assert [policy.depth_for(w) for w in (1, 2, 8)] == [2, 2, 0] and policy.best_depth(1) == 3
-    assert batch_cost.resolve_policy(lm, 1).depth_for(1) == 1
+    assert deciding.batched_policy(lm, 1).depth_for(1) == 1
 
 
 def test_one_row_drafts_at_the_single_request_depth_without_exploring():

@@ -63,12 +63,13 @@ def test_estimate_weighs_depths_by_the_heads_measured_acceptance(monkeypatch, tm
     there, here replayed by hand from the drafts and plain greedy; the depth is best_by_cost on it."""
     from dyno_ui.paths import BUNDLED_MODEL
     from speculative.loader import load_checkpoint
-    from speculative.measure.tuning import ESTIMATE_PROMPT, PRIOR_DECAY, PRIOR_FIRST, resolve_depth
+    from speculative.depth import single_depth
+    from speculative.measure.tuning import ESTIMATE_PROMPT, PRIOR_DECAY, PRIOR_FIRST
 
     lm = load_checkpoint(BUNDLED_MODEL, mode="mtp")
     monkeypatch.setenv("DYNO_CACHE", str(tmp_path))
     drafts = []
-    depth = resolve_depth(lm, "auto", drafter=recording_drafter(drafts))
+    depth = single_depth(lm, "auto", drafter=recording_drafter(drafts))
     (entry,) = json.loads((tmp_path / "tune.json").read_text()).values()
 
     prompt, tokens, k = lm.tokenizer.encode(ESTIMATE_PROMPT), 64, 4  # measured_acceptance's run
@@ -89,15 +90,16 @@ def test_a_stored_depth_belongs_to_its_draft_vocabulary(monkeypatch, tmp_path):
     a deeper draft); one stored before entries named the vocabulary is used for any, until re-tuned."""
     from types import SimpleNamespace
 
+    from speculative.depth import single_depth
     from speculative.measure import tuning
 
     monkeypatch.setenv("DYNO_CACHE", str(tmp_path))
     lm = SimpleNamespace(path=tmp_path / "model", head=object())
     tuning.store(lm, 3, {"source": "measured"}, 1792)
     tuning.store(lm, 1, {"source": "measured"}, None)
-    assert tuning.resolve_depth(lm, "auto", 1792) == 3 and tuning.resolve_depth(lm, "auto", None) == 1
+    assert single_depth(lm, "auto", 1792) == 3 and single_depth(lm, "auto", None) == 1
     table = json.loads((tmp_path / "tune.json").read_text())
     assert sorted(e["draft_vocab"] or 0 for e in table.values()) == [0, 1792]
     legacy = {tuning.machine_key(lm).rsplit("|", 1)[0]: {"depth": 2, "source": "measured"}}
     (tmp_path / "tune.json").write_text(json.dumps(legacy))
-    assert tuning.resolve_depth(lm, "auto", 1792) == 2 and tuning.resolve_depth(lm, "auto", None) == 2
+    assert single_depth(lm, "auto", 1792) == 2 and single_depth(lm, "auto", None) == 2

@@ -62,7 +62,7 @@ def running_server(model_dir, spec: SpecConfig = SpecConfig(), decode_concurrenc
                    load_kw=None, **app_kw):
     """A started server for the checkpoint in `model_dir`, with `options`' key, origins, model names and
     reasoning budget; stopped (thread joined) on exit. Batched (decode_concurrency > 1) it decodes without
-    drafts unless `drafting_batch`; `worker_kw` go to the EngineWorker (max_queue, max_batch_memory, depth_for),
+    drafts unless `drafting_batch`; `worker_kw` go to the EngineWorker (max_queue, max_batch_memory),
     `load_kw` to load_checkpoint (mtp_head, ...)."""
     mode = "off" if decode_concurrency > 1 and not drafting_batch else spec.mode
     worker = EngineWorker(lambda: (load_checkpoint(model_dir, mode=mode, **(load_kw or {})), spec),

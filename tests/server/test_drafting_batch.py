@@ -10,8 +10,8 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
-import httpx
 import pytest
 
 from dyno_ui.paths import BUNDLED_MODEL
@@ -302,11 +302,10 @@ def test_the_depth_policy_picks_each_rounds_depth_by_width(serial, monkeypatch):
     monkeypatch.setattr(depth_policy, "EXPLORE_EVERY", 10**9)  # only the costs choose: no neighbour is timed
     flat, steep = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}, {1: 1.0, 2: 10.0, 3: 10.0, 4: 10.0}
     costs = BatchCosts({1: flat, 2: steep, 4: steep}, {1: 0.01, 2: 0.01, 4: 0.01})
-    policy = lambda lm, spec: DepthPolicy(costs, [0.9, 0.9, 0.9], max_depth=3)  # noqa: E731
+    spec = replace(SPEC, policy=DepthPolicy(costs, [0.9, 0.9, 0.9], max_depth=3))
     prompts = [(f"def p{i}(x):", 12 + 3 * i) for i in range(3)]
     want = [completion(serial, *p)[:2] for p in prompts]
-    with running_server(BUNDLED_MODEL, SPEC, decode_concurrency=4, drafting_batch=True,
-                        worker_kw={"depth_policy": policy}) as server:
+    with running_server(BUNDLED_MODEL, spec, decode_concurrency=4, drafting_batch=True) as server:
         assert describe(server.served.worker) == (
             "batched MTP drafting of up to 4 requests, depth 0-3 chosen each round by measured cost")
         assert completion(server, *prompts[0])[:2] == want[0]
@@ -326,9 +325,8 @@ def test_a_round_that_a_pinned_row_deepens_is_timed_and_counted_at_the_depth_it_
         def record(self, width, depth, seconds, then=None):
             recorded.append((width, depth, then))
 
-    policy = lambda lm, spec: Recording(None, [], pinned=1)  # noqa: E731
-    with running_server(BUNDLED_MODEL, SPEC, decode_concurrency=2, drafting_batch=True,
-                        worker_kw={"depth_policy": policy}) as server:
+    spec = replace(SPEC, policy=Recording(None, [], pinned=1))
+    with running_server(BUNDLED_MODEL, spec, decode_concurrency=2, drafting_batch=True) as server:
         traced(server, SpecConfig("mtp", 3))  # the playground's request, pinned at 3
         by_depth = server.stats()["batch"]["rounds_by_depth"]
     assert set(by_depth) == {"3"}
