@@ -50,7 +50,7 @@ def load_model(path, mode: str = "auto", draft_depth="auto", draft_vocab="auto",
     else:
         lm = load(path, mode=mode, notify=notify, **load_kw)
         vocab = resolve(lm, draft_vocab, notify)
-    depth, policy = decide(lm, draft_depth, vocab, DEFAULT_DRAFT_DEPTH, batched=batched and split is None,
+    depth, policy = decide(lm, draft_depth, vocab, DEFAULT_DRAFT_DEPTH, batched=batched and split is None and mode != "off",
                            split=split is not None, notify=notify or (lambda message: None))
     notice = depth_notice(lm.text_config, depth) if lm.head is not None and mode != "off" else None
     if notice is not None and notify is not None:
