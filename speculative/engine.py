@@ -1,28 +1,28 @@
 """Generation: plain decoding through mlx-lm, or MTP draft -> verify -> accept -> rollback.
 
 Both paths are generators of events (Token, Round, Done); text, streaming and statistics are
-layers above. Drafting runs the one driver (batched.BatchSpeculator) at width 1: a generation is
-a batch of one row, its drafts from the MTP head or any other drafter (round/drafter.py); prefill,
-stopping and prefix reuse live outside the round.
+layers above. Drafting, a generation is one row of batched.Decoding (the one driver at width 1, and
+the row's life around it: prefix reuse, prefill, settling), its drafts from the MTP head or any other
+drafter (round/drafter.py). Without drafts it is mlx-lm's generate_step (PlainRun).
 """
 
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from .batched import BatchSpeculator, Leaving
+from .batched.decoding import Decoding, Request, drafts
 from .batched.prefill import PREFILL_STEP, segments
 from .config import SamplingParams, SpecConfig
 from .errors import DynoError
 from .events import Done, Provenance, Round, Token
-from .heads.health import gives_up, watch
 from .loader import LoadedModel
 from .loader.vision import VisionInput
 from .backend.memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
+from .round.depth_policy import DepthPolicy
 from .round.drafter import Drafter
 from .round.processors import processors_for, with_prefix
 from .round.sampling import plain_sampler
@@ -62,132 +62,92 @@ def generate(
     whether it ends at EOS or max_tokens, when `until` returns a finish reason after a token (a
     stop string, a cancel), or when the consumer closes the generator. Not when the engine raised.
 
-    Each Round feeds the head's health (heads/health.py); under "auto", once the head is found
-    collapsed, plain decoding takes over from the tokens delivered.
+    Drafting, the generation is one row of batched.Decoding at the request's depth; each Round feeds
+    the head's health (heads/health.py), and under "auto" a head found collapsed drafts no more.
     """
     if len(prompt) == 0:
         raise DynoError("the prompt is empty")
     prompt = list(prompt)
+    if not drafts(lm, spec):
+        yield from _plain(lm, prompt, params, prefill_step, prefix_cache, boundaries, until, memory, vision, rng_seed)
+        return
+    decoding = Decoding(lm, spec, prefix_cache, DepthPolicy(None, [], pinned=spec.draft_depth), prefill_step, memory,
+                        drafter, clear_per_rounds=False, keep_prompts=False)
+    request = Request(ROW, prompt, params, boundaries, details=spec.details, rng_seed=rng_seed, vision=vision)
+    with memory.wired():
+        n, reason = 0, None
+        try:
+            out = decoding.join_one(request)
+            clearing = memory.per_tokens()  # generate_step's cadence (every 256 tokens), the first token counted
+            while reason is None:
+                clearing.add(sum(isinstance(e, Token) for e in out.events))
+                for event in out.events:
+                    n += isinstance(event, Token)  # (counted before it is yielded: a consumer may stop there)
+                    yield event
+                    if isinstance(event, Token) and (reason := _ended(event, n, lm.eos_token_ids, params, until)):
+                        break
+                if reason is None:
+                    reason = out.finish  # (the driver cuts a row's tokens where _ended does)
+                if reason is None:
+                    out = decoding.step()[ROW]
+        except GeneratorExit:  # the consumer stopped at a token: the caches are consistent there
+            if n:
+                decoding.finish(ROW, n, "cancelled")
+            else:
+                decoding.drop(ROW)
+            raise
+        except BaseException:
+            decoding.drop(ROW)
+            raise
+        done = decoding.finish(ROW, n, reason)
+    yield done
+
+
+def _ended(token: Token, n: int, eos, params: SamplingParams, until) -> Optional[str]:
+    """Why a generation ends after its n-th token `token`, or None."""
+    if token.id in eos:
+        return "stop"
+    if n >= params.max_tokens:
+        return "length"
+    return until() if until is not None else None
+
+
+def _plain(lm, prompt, params, prefill_step, prefix_cache, boundaries, until, memory, vision, rng_seed):
+    """generate without drafts: mlx-lm's generate_step (PlainRun), with the same prefix reuse and Done."""
+    runner = PlainRun(lm, params, prefill_step, memory, rng_seed)
     keep = prefix_cache is not None and vision is None  # entries are keyed by tokens alone, which two images can share
-    if drafts(lm, spec):
-        runner = DraftedRun(lm, params, spec, prefill_step, drafter, memory, rng_seed)
-    else:
-        runner = PlainRun(lm, params, prefill_step, memory, rng_seed)
     resume, cuts = None, []
     if keep:
-        resume = prefix_cache.take(prompt, head_layers=len(lm.head.layers) if drafts(lm, spec) else 0)
+        resume = prefix_cache.take(prompt)
         cuts = prefix_cache.plan(len(prompt), boundaries, len(resume) if resume else 0)
     with memory.wired():
         steps = runner.run(prompt, resume, cuts, vision)
-        eos = lm.eos_token_ids
         start = time.perf_counter()
         first_at = last_at = None
-        n = 0
-        reason = "length"
+        n, reason = 0, None
         try:
-            while (event := next(steps, None)) is not None:  # (steps may change: see plain_after)
-                if isinstance(event, Round):
-                    watch(lm, event, spec.mode)
-                    if (gives_up(lm, spec.mode) and isinstance(runner, DraftedRun) and not params.has_processors
-                            and runner.row.keys is None):
-                        # The head collapsed: the rest plainly, from the tokens delivered (this round's are
-                        # dropped, and plain decoding makes them again). With processors the request drafts
-                        # on: they would read the delivered tokens as prompt; seeded, it would restart the keys.
-                        steps.close()
-                        runner, steps = plain_after(runner, lm, params, prefill_step, n)
-                        continue
-                    yield event
-                    continue
+            for event in steps:
                 now = time.perf_counter()
                 first_at = first_at or now
                 last_at = now
                 n += 1
                 yield event
-                if event.id in eos:
-                    reason = "stop"
+                if (reason := _ended(event, n, lm.eos_token_ids, params, until)) is not None:
                     break
-                if n >= params.max_tokens:
-                    break
-                if until is not None and (why := until()) is not None:
-                    reason = why
-                    break
-        except GeneratorExit:  # the consumer stopped at a token: the caches are consistent there
+        except GeneratorExit:
             steps.close()
             if keep and n:
                 prefix_cache.put(runner.settle(n))
             raise
         steps.close()
-        prefill = (first_at or start) - start
-        decode = (last_at or start) - (first_at or start)
         if keep:
             prefix_cache.put(runner.settle(n))
-    yield Done(reason, len(prompt), n, prefill, decode, len(resume) if resume else 0)
-
-
-def drafts(lm: LoadedModel, spec: SpecConfig) -> bool:
-    """True when a generation with `spec` drafts: speculation not off, a head loaded, and under "auto"
-    not found collapsed (heads/health.py)."""
-    return spec.mode != "off" and lm.head is not None and not gives_up(lm, spec.mode)
+    prefill = (first_at or start) - start
+    decode = (last_at or start) - (first_at or start)
+    yield Done(reason or "length", len(prompt), n, prefill, decode, len(resume) if resume else 0)
 
 
 ROW = "generate"  # the one row's id in a generation's batch
-
-
-class DraftedRun:
-    """One speculative generation: the driver (batched.BatchSpeculator) at width 1, its row drafted at
-    the request's fixed depth; `run` yields the row's events, `settle` hands back its state."""
-
-    def __init__(self, lm: LoadedModel, params: SamplingParams, spec: SpecConfig, prefill_step: int,
-                 drafter: Optional[Drafter] = None, memory: Memory = MLX_MEMORY, rng_seed: Optional[int] = None):
-        # Its state is kept as it leaves: for the prefix cache, or for plain decoding to go on from.
-        self.batch = BatchSpeculator(lm, prefill_step, spec.draft_vocab, memory, True, drafter, clear_per_rounds=False)
-        self.params, self.depth, self.details, self.rng_seed = params, spec.draft_depth, spec.details, rng_seed
-        self.memory = memory
-        self.row = None  # the row's state (round.row.Row) once it joined
-        self.left: Optional[Leaving] = None  # its state once it finished in a round
-        self.vision: Optional[VisionInput] = None
-
-    def run(self, prompt: List[int], resume: Optional[Resume] = None, cuts: Sequence[int] = (),
-            vision: Optional[VisionInput] = None) -> Iterator[Union[Token, Round]]:
-        """Prefill (after `resume`'s prefix, if any), then rounds until the row finishes or the consumer stops."""
-        self.vision = vision
-        out = self.batch.join(ROW, prompt, self.params, resume, cuts, details=self.details, rng_seed=self.rng_seed,
-                              vision=vision)
-        self.row = out.left.row if out.left is not None else self.batch.rows[0] if len(self.batch) else None
-        clearing = self.memory.per_tokens()  # generate_step's cadence (every 256 tokens), the first token counted
-        while True:
-            if out.finish is not None:  # (before its tokens: the consumer stops at the last one)
-                self.left = out.left
-            clearing.add(sum(isinstance(e, Token) for e in out.events))
-            yield from out.events
-            if out.finish is not None:
-                return
-            out = self.batch.step(self.depth)[ROW]
-
-    @property
-    def prompt(self) -> List[int]:
-        return self.row.prompt
-
-    @property
-    def generated(self) -> List[int]:
-        return self.row.generated
-
-    def settle(self, emitted: int) -> PrefixEntry:
-        """The caches settled to the prompt and the first `emitted` tokens minus the last (Leaving.settle)."""
-        left, self.left = self.left or self.batch.leave(ROW), None
-        if left is None:
-            raise DynoError("the generation's state was not kept")
-        return left.settle(emitted)
-
-
-def plain_after(spec_run: DraftedRun, lm: LoadedModel, params: SamplingParams, prefill_step: int,
-                emitted: int) -> Tuple["PlainRun", Iterator[Token]]:
-    """A PlainRun (and its tokens) continuing `spec_run`'s generation after its first `emitted` tokens."""
-    tokens = spec_run.prompt + spec_run.generated[:emitted]
-    entry = spec_run.settle(emitted)
-    plain = PlainRun(lm, params, prefill_step, spec_run.memory)
-    resume = Resume(len(entry.tokens), entry.trunk_cache, checkpoints=entry.checkpoints)
-    return plain, plain.run(tokens, resume, vision=spec_run.vision)
 
 
 class PlainRun:
@@ -249,4 +209,4 @@ class PlainRun:
 
 
 
-Runner = Union[DraftedRun, PlainRun]  # what `generate` drives: run(prompt, resume, cuts, vision), then settle(emitted)
+

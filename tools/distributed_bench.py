@@ -33,7 +33,7 @@ from speculative import distributed  # noqa: E402
 from speculative.config import SamplingParams  # noqa: E402
 from speculative.measure.cost_model import cost_model  # noqa: E402
 from speculative.config import SpecConfig  # noqa: E402
-from speculative.engine import DraftedRun  # noqa: E402
+from speculative.engine import generate  # noqa: E402
 from speculative.events import Token  # noqa: E402
 from speculative.round.drafter import Drafts, HeadDrafter  # noqa: E402
 from speculative.stats import GenerationStats  # noqa: E402
@@ -80,7 +80,7 @@ def dyno_run(drafter, lm, prompt, n, depth):
     rank): (tokens, decode tok/s, its GenerationStats)."""
     stats, times = GenerationStats(), []
     made = drafter(lm) if drafter is not None else None
-    steps = DraftedRun(lm, SamplingParams(max_tokens=n), SpecConfig("mtp", depth), 2048, made).run(prompt)
+    steps = generate(lm, prompt, SamplingParams(max_tokens=n), SpecConfig("mtp", depth), drafter=made)
     for e in steps:
         stats.add(e)
         if isinstance(e, Token):

@@ -1,8 +1,8 @@
 """The one driver: B >= 1 rows, each its own request, share one draft step per position and one
 trunk pass per round (round.Rounds); acceptance, rollback, RNG, stopping and a pinned depth stay per
 row (row.Row). Drafts come from the driver's drafter (round/drafter.py: the MTP head unless told
-otherwise). engine.generate runs it at width 1 (engine.DraftedRun), the server's drafting worker at
-any width.
+otherwise). decoding.Decoding runs it with each row's life around it (prefix reuse, depth, settling)
+for engine.generate (width 1) and the server's drafting worker (any width).
 
 Rows that join together are prefilled together (prefill.py: right-padded as mlx-lm's BatchGenerator
 does, each after its own resumed prefix) and then join: their attention caches are rows of mlx-lm

@@ -162,7 +162,7 @@ def assert_same_cache(got, want, what):
 
 
 def take_tokens(steps, n, after_round=False):
-    """The first n token ids of a DraftedRun.run stream, then close it (as a consumer that stops);
+    """The first n token ids of a OneRow.run stream, then close it (as a consumer that stops);
     `after_round`: also read the next Round event (a consumer that stops before its tokens)."""
     out = []
     while len(out) < n:

@@ -125,7 +125,7 @@ class PastEos:
 
 
 def sample_tokens(spec, prompt, n, vision=None):
-    """The first n tokens a speculative run (engine.DraftedRun) emits after `prompt` (with `vision`:
+    """The first n tokens a speculative run (helpers.drafts.OneRow) emits after `prompt` (with `vision`:
     its images), past EOS, and how many drafts it made and kept."""
     spec.batch.lm = PastEos(spec.batch.lm)
     tokens, drafted, accepted = [], 0, 0

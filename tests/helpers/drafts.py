@@ -1,9 +1,12 @@
 """The drafts a speculative run made, and the greedy rule replayed by hand over them."""
 
+from speculative.batched.decoding import Decoding, Request
 from speculative.config import SpecConfig
-from speculative.engine import DraftedRun
 from speculative.events import Round, Token
+from speculative.round.depth_policy import DepthPolicy
 from speculative.round.drafter import HeadDrafter
+
+ROW = "run"
 
 
 class RecordingDrafter(HeadDrafter):
@@ -24,11 +27,44 @@ def recording_drafter(log: list):
     return RecordingDrafter(log)
 
 
+class OneRow:
+    """One speculative generation run by hand, as engine.generate runs it (batched.Decoding, one row,
+    at a fixed depth): `.run(prompt)` yields its events until the row finishes, `.settle(n)` its state;
+    `.batch` is the driver, `.row` the row's state."""
+
+    def __init__(self, lm, params, spec, prefill_step, drafter, rng_seed):
+        self.decoding = Decoding(lm, spec, None, DepthPolicy(None, [], pinned=spec.draft_depth), prefill_step,
+                                 drafter=drafter, clear_per_rounds=False, keep_states=True)
+        self.batch = self.decoding.batch
+        self.params, self.details, self.rng_seed = params, spec.details, rng_seed
+        self.row = None
+
+    def run(self, prompt, resume=None, cuts=(), vision=None):
+        request = Request(ROW, list(prompt), self.params, details=self.details, rng_seed=self.rng_seed, vision=vision,
+                          resume=resume, cuts=cuts)
+        out = self.decoding.join_one(request)
+        self.row = out.left.row if out.left is not None else self.decoding.row(ROW)
+        while True:
+            yield from out.events
+            if out.finish is not None:
+                return
+            out = self.decoding.step()[ROW]
+
+    @property
+    def prompt(self):
+        return self.row.prompt
+
+    @property
+    def generated(self):
+        return self.row.generated
+
+    def settle(self, emitted):
+        return self.decoding.settle(ROW, emitted)
+
+
 def drafted(lm, params, depth, prefill_step=2048, draft_vocab=None, drafter=None, details=False, rng_seed=None):
-    """One speculative generation (engine.DraftedRun: the driver at width 1) to run by hand:
-    `.run(prompt)` yields its events, `.settle(n)` its state."""
-    return DraftedRun(lm, params, SpecConfig("mtp", depth, draft_vocab, details), prefill_step, drafter,
-                      rng_seed=rng_seed)
+    """One speculative generation (OneRow) to run by hand."""
+    return OneRow(lm, params, SpecConfig("mtp", depth, draft_vocab, details), prefill_step, drafter, rng_seed)
 
 
 def replay(drafts, reference, n):
