@@ -2,14 +2,13 @@
 with flipped bytes in its arrays, a truncated one or one of another format version never serves;
 the prompt is prefilled cold and the output equals a cold run."""
 
-import json
 import shutil
-import struct
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from helpers.cache_files import flip_array_bytes, header
 from helpers.reference import plain_greedy
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
@@ -34,28 +33,6 @@ def one_file(lm, folder):
     store.close()
     (path,) = folder.rglob("*.safetensors")
     return path, system + user + tokens + lm.tokenizer.encode(NEXT)
-
-
-def header(path):
-    """(header length, the safetensors header) of a file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return n, json.loads(f.read(n))
-
-
-def flip_array_bytes(path):
-    """Invert 256 bytes in the middle of every trunk array's data (the header left as it was);
-    returns the names of the arrays flipped."""
-    n, head = header(path)
-    data = bytearray(path.read_bytes())
-    names = [k for k in head if k.startswith("trunk.")]
-    for name in names:
-        begin, end = head[name]["data_offsets"]
-        mid = 8 + n + (begin + end) // 2
-        for i in range(max(mid - 128, 8 + n + begin), min(mid + 128, 8 + n + end)):
-            data[i] ^= 0xFF
-    path.write_bytes(bytes(data))
-    return names
 
 
 def restarted(lm, folder, notices):
