@@ -1,0 +1,119 @@
+"""One long session: a prompt grown turn by turn, a fixed number of tokens decoded each turn, plain
+decoding against drafting at each fixed depth, drafts replayed to acceptance that follows the context.
+
+Every turn gets the cost model at its context (T1, Tv(k), Td with the attention caches padded to it,
+cost_model.pad_attention): plain decodes 1/T1 tokens a second and depth k E(k)/(Tv(k) + k*Td), E(k)
+= 1 + the profile's rates at that context summed to position k. Turns up to `measured_up_to` tokens
+also run for real: the session's prompt is the last turn's, its answer and new tokens up to the
+turn's length, reused through one prompt cache (as a server would: only what is new is prefilled);
+a reference run drafting with the model's own head writes the tokens the replayed drafts follow,
+then plain decoding (Dyno's "off" path, which is mlx-lm's generate_step) and each depth run in
+alternation, each run's output checked equal to the reference. Past what fits in time on a slow
+CPU only the model stands. Tools print; this returns a record.
+"""
+
+from typing import Callable, Dict, List, Optional, Sequence
+
+from ..config import SamplingParams, SpecConfig
+from ..engine import generate
+from ..loader import LoadedModel
+from ..prompt_cache.store import PrefixCache
+from ..stats import GenerationStats
+from .bench import summarize
+from .cost_model import cost_timer
+from .replay import Profile, rates_at, replayed_drafter
+from .scale import random_prompt
+
+
+def doubling(first: int, last: int) -> List[int]:
+    """Contexts from `first` doubling up to `last` (included): 1024, 2048, ..., 32768."""
+    if not 0 < first <= last:
+        raise ValueError(f"a session runs from a first context up to a last one, not {first} to {last}")
+    out = [first]
+    while out[-1] * 2 < last:
+        out.append(out[-1] * 2)
+    return out + [last] if out[-1] != last else out
+
+
+def modeled(costs: Dict[str, object], rates: Sequence[float], depths: Sequence[int]) -> Dict[object, float]:
+    """Tokens per second the cost model gives plain decoding ("plain") and each depth at these rates."""
+    out = {"plain": 1 / costs["T1"]}
+    for k in depths:
+        out[k] = (1 + sum(rates[:k])) / (costs["Tv"][k] + k * costs["Td"])
+    return out
+
+
+def _run(lm, prompt, n, spec, cache, drafter=None) -> GenerationStats:
+    stats = GenerationStats()
+    for e in generate(lm, prompt, SamplingParams(max_tokens=n), spec, drafter=drafter, prefix_cache=cache):
+        stats.add(e)
+    return stats
+
+
+def long_session(lm: LoadedModel, contexts: Sequence[int], depths: Sequence[int], profile: Profile,
+                 max_tokens: int, measured_up_to: int, pairs: int = 1, reps: int = 5, seed: int = 0,
+                 pad_prompt: int = 16, notify: Optional[Callable[[str], None]] = None) -> Dict[str, object]:
+    """The record of one session through `contexts` (increasing), `max_tokens` decoded per turn."""
+    say = notify or (lambda _m: None)
+    cache = PrefixCache()  # the session's: each turn prefills only what is new
+    prompt: List[int] = []
+    turns = []
+    for t, n in enumerate(contexts):
+        rates = rates_at(profile, n)
+        costs = cost_timer(lm, random_prompt(pad_prompt, seed), depths, context=n)(reps, burst=1)
+        turn = {"context": n, "rates": list(rates), "cost_model": costs,
+                "modeled_tps": {str(k): v for k, v in modeled(costs, rates, depths).items()}}
+        if n <= measured_up_to:
+            if len(prompt) >= n:
+                raise ValueError(f"turn {t + 1}: the session already holds {len(prompt)} tokens, past {n}")
+            prompt = prompt + random_prompt(n - len(prompt), seed + t + 1)
+            reference = _run(lm, prompt, max_tokens + max(depths), SpecConfig("mtp", max(depths)), cache).tokens
+            plain, runs = [], {k: [] for k in depths}
+            for i in range(pairs):
+                plain.append(_run(lm, prompt, max_tokens, SpecConfig("off"), cache))
+                for k in depths:
+                    drafter = replayed_drafter(lm, reference, profile, seed + i)
+                    run = _run(lm, prompt, max_tokens, SpecConfig("mtp", k), cache, drafter)
+                    if run.tokens != reference[:max_tokens]:
+                        raise AssertionError(f"context {n}, depth {k}: replayed drafting changed the greedy output")
+                    runs[k].append(run)
+            if any(r.tokens != reference[:max_tokens] for r in plain):
+                raise AssertionError(f"context {n}: plain decoding and drafting disagree")
+            turn["measured"] = {"plain": summarize([r.decode_tokens_per_s for r in plain]), "depths": {}}
+            for k in depths:
+                total = GenerationStats()
+                for r in runs[k]:
+                    total.merge(r)
+                turn["measured"]["depths"][str(k)] = {
+                    "decode_tps": summarize([r.decode_tokens_per_s for r in runs[k]]),
+                    "ratio": summarize([r.decode_tokens_per_s / p.decode_tokens_per_s for r, p in zip(runs[k], plain)]),
+                    "acceptance_by_position": total.acceptance_by_position(),
+                    "tokens_per_round": total.tokens_per_round}
+            prompt = prompt + reference[:max_tokens]  # the next turn follows this answer
+            say(f"context {n}: plain {turn['measured']['plain']['median']:.1f} tok/s, " + ", ".join(
+                f"depth {k} {d['decode_tps']['median']:.1f}" for k, d in turn["measured"]["depths"].items()))
+        else:
+            say(f"context {n} (cost model): plain {turn['modeled_tps']['plain']:.1f} tok/s, " + ", ".join(
+                f"depth {k} {turn['modeled_tps'][str(k)]:.1f}" for k in depths))
+        turns.append(turn)
+    return {"contexts": list(contexts), "depths": list(depths), "max_tokens": max_tokens,
+            "measured_up_to": measured_up_to, "pairs": pairs, "reps": reps, "turns": turns,
+            "session": session_totals(turns, depths, max_tokens)}
+
+
+def tps(turn: Dict[str, object], key: str) -> float:
+    """A turn's tokens per second for "plain" or a depth: measured (median) where it ran, else modeled."""
+    m = turn.get("measured")
+    if m is None:
+        return turn["modeled_tps"][key]
+    return (m["plain"] if key == "plain" else m["depths"][key]["decode_tps"])["median"]
+
+
+def session_totals(turns, depths: Sequence[int], max_tokens: int) -> Dict[str, object]:
+    """The whole session's decode time for plain and each fixed depth, and for the best choice of
+    each turn (plain included), as speedups over plain."""
+    keys = ["plain"] + [str(k) for k in depths]
+    seconds = {key: sum(max_tokens / tps(t, key) for t in turns) for key in keys}
+    best_each = sum(max_tokens / max(tps(t, key) for key in keys) for t in turns)
+    return {"decode_s": seconds, "speedup": {key: seconds["plain"] / s for key, s in seconds.items()},
+            "best_each_turn_speedup": seconds["plain"] / best_each}
