@@ -115,10 +115,17 @@ def main() -> int:
     return 0
 
 
+def ratio(turn, k: str) -> float:
+    """Depth k over plain: the median of the pairs' ratios where the turn ran, else the model's."""
+    m = turn.get("measured")
+    return m["depths"][k]["ratio"]["median"] if m else tps(turn, k) / tps(turn, "plain")
+
+
 def print_table(record) -> None:
     depths = [str(k) for k in record["depths"]]
     print(f"{record['model']} ({record['dtype']}), acceptance {record['acceptance']}, {record['max_tokens']} tokens "
           f"a turn, {record['machine']['backend']}, BLAS: {record['blas']['name']}")
+    # x: over plain (a turn that ran: the median of its pairs' ratios)
     print(f"{'context':>7} {'from':>5} {'p1':>5} {'p2':>5} {'p3':>5} {'plain':>7} " +
           " ".join(f"{'d' + k + ' tok/s':>10} {'x':>5}" for k in depths) + f" {'best':>5}")
     for t in record["turns"]:
@@ -128,7 +135,7 @@ def print_table(record) -> None:
         best = max(speeds, key=speeds.get)
         best = best if speeds[best] > plain else "plain"
         print(f"{t['context']:>7} {'run' if 'measured' in t else 'model':>5} " + " ".join(f"{r:>5.2f}" for r in rates) +
-              f" {plain:>7.1f} " + " ".join(f"{speeds[k]:>10.1f} {speeds[k] / plain:>5.2f}" for k in depths) +
+              f" {plain:>7.1f} " + " ".join(f"{speeds[k]:>10.1f} {ratio(t, k):>5.2f}" for k in depths) +
               f" {best:>5}")
     s = record["session"]
     print("whole session, over plain: " + ", ".join(f"depth {k} {s['speedup'][k]:.2f}x" for k in depths) +

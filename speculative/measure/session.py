@@ -72,14 +72,16 @@ def long_session(lm: LoadedModel, contexts: Sequence[int], depths: Sequence[int]
             for i in range(pairs):
                 plain.append(_run(lm, prompt, max_tokens, SpecConfig("off"), cache))
                 for k in depths:
-                    drafter = replayed_drafter(lm, reference, profile, seed + i)
+                    # A seed per turn and pair: each samples rounds of its own.
+                    drafter = replayed_drafter(lm, reference, profile, seed + 1000 * (t + 1) + i)
                     run = _run(lm, prompt, max_tokens, SpecConfig("mtp", k), cache, drafter)
                     if run.tokens != reference[:max_tokens]:
                         raise AssertionError(f"context {n}, depth {k}: replayed drafting changed the greedy output")
                     runs[k].append(run)
             if any(r.tokens != reference[:max_tokens] for r in plain):
                 raise AssertionError(f"context {n}: plain decoding and drafting disagree")
-            turn["measured"] = {"plain": summarize([r.decode_tokens_per_s for r in plain]), "depths": {}}
+            turn["measured"] = {"plain": summarize([r.decode_tokens_per_s for r in plain]), "depths": {},
+                                "tokens": len(plain[0].tokens)}  # (fewer than max_tokens: EOS came first)
             for k in depths:
                 total = GenerationStats()
                 for r in runs[k]:
@@ -88,7 +90,7 @@ def long_session(lm: LoadedModel, contexts: Sequence[int], depths: Sequence[int]
                     "decode_tps": summarize([r.decode_tokens_per_s for r in runs[k]]),
                     "ratio": summarize([r.decode_tokens_per_s / p.decode_tokens_per_s for r, p in zip(runs[k], plain)]),
                     "acceptance_by_position": total.acceptance_by_position(),
-                    "tokens_per_round": total.tokens_per_round}
+                    "tokens_per_round": total.tokens_per_round, "rounds": total.rounds}
             prompt = prompt + reference[:max_tokens]  # the next turn follows this answer
             say(f"context {n}: plain {turn['measured']['plain']['median']:.1f} tok/s, " + ", ".join(
                 f"depth {k} {d['decode_tps']['median']:.1f}" for k, d in turn["measured"]["depths"].items()))
