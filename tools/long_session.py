@@ -34,6 +34,7 @@ from speculative.measure import shapes
 from speculative.measure.blas import detect
 from speculative.measure.random_checkpoint import built, scaled_down
 from speculative.measure.replay import ContextProfile, parse_profile
+from speculative.measure.scale import draft_vocab_floor
 from speculative.measure.session import doubling, long_session, tps
 
 
@@ -59,6 +60,8 @@ def main() -> int:
     ap.add_argument("--root", help="--shape: where the temporary checkpoint goes")
     ap.add_argument("--acceptance", default="27b-long",
                     help="profile: a name, rates like 0.93,0.86,0.75, or points like 1k:0.93,0.86,0.75/32k:0.72,0.66,0.58")
+    ap.add_argument("--draft-vocab", default="full", metavar="N|auto|full",
+                    help="rows the drafts project onto (auto: its floor, 1/8 of the vocabulary; default: full)")
     ap.add_argument("--depths", default="1,2,3")
     ap.add_argument("--contexts", default="1024:32768", help="FIRST:LAST (doubling) or a comma-separated list")
     ap.add_argument("--measure-up-to", type=int, default=4096, help="turns up to this many tokens run for real")
@@ -105,8 +108,15 @@ def main() -> int:
         checkpoint = nullcontext((Path(args.model), None))
     with checkpoint as (model, head):
         lm = load_checkpoint(model, mode="mtp", mtp_head=str(head) if head else None)
+        vocab = lm.target.args.vocab_size
+        if args.draft_vocab in ("full", "auto"):
+            draft_vocab = draft_vocab_floor(vocab) if args.draft_vocab == "auto" else None
+        elif args.draft_vocab.isdigit() and 0 < int(args.draft_vocab) < vocab:
+            draft_vocab = int(args.draft_vocab)
+        else:
+            ap.error(f"--draft-vocab must be full, auto or a number of tokens below {vocab}: {args.draft_vocab!r}")
         record.update(long_session(lm, contexts, depths, profile, args.max_tokens, args.measure_up_to,
-                                   args.pairs, args.reps, notify=say))
+                                   args.pairs, args.reps, draft_vocab=draft_vocab, notify=say))
         del lm
     print_table(record)
     if args.json:
@@ -123,8 +133,9 @@ def ratio(turn, k: str) -> float:
 
 def print_table(record) -> None:
     depths = [str(k) for k in record["depths"]]
+    drafts = f"drafts over {record['draft_vocab']} tokens" if record.get("draft_vocab") else "drafts over the whole vocabulary"
     print(f"{record['model']} ({record['dtype']}), acceptance {record['acceptance']}, {record['max_tokens']} tokens "
-          f"a turn, {record['machine']['backend']}, BLAS: {record['blas']['name']}")
+          f"a turn, {drafts}, {record['machine']['backend']}, BLAS: {record['blas']['name']}")
     # x: over plain (a turn that ran: the median of its pairs' ratios)
     print(f"{'context':>7} {'from':>5} {'p1':>5} {'p2':>5} {'p3':>5} {'plain':>7} " +
           " ".join(f"{'d' + k + ' tok/s':>10} {'x':>5}" for k in depths) + f" {'best':>5}")

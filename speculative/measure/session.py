@@ -22,7 +22,7 @@ from ..stats import GenerationStats
 from .bench import summarize
 from .cost_model import cost_timer
 from .replay import Profile, rates_at, replayed_drafter
-from .scale import random_prompt
+from .scale import draft_head, random_prompt
 
 
 def doubling(first: int, last: int) -> List[int]:
@@ -52,15 +52,21 @@ def _run(lm, prompt, n, spec, cache, drafter=None) -> GenerationStats:
 
 def long_session(lm: LoadedModel, contexts: Sequence[int], depths: Sequence[int], profile: Profile,
                  max_tokens: int, measured_up_to: int, pairs: int = 1, reps: int = 5, seed: int = 0,
-                 pad_prompt: int = 16, notify: Optional[Callable[[str], None]] = None) -> Dict[str, object]:
-    """The record of one session through `contexts` (increasing), `max_tokens` decoded per turn."""
+                 pad_prompt: int = 16, draft_vocab: Optional[int] = None,
+                 notify: Optional[Callable[[str], None]] = None) -> Dict[str, object]:
+    """The record of one session through `contexts` (increasing), `max_tokens` decoded per turn;
+    `draft_vocab` N: drafts over N rows (scale.draft_subset: a turn's reference tokens first), and
+    the cost model's Td over N rows, as `--draft-vocab N` drafts."""
     say = notify or (lambda _m: None)
     cache = PrefixCache()  # the session's: each turn prefills only what is new
     prompt: List[int] = []
     turns = []
     for t, n in enumerate(contexts):
         rates = rates_at(profile, n)
-        costs = cost_timer(lm, random_prompt(pad_prompt, seed), depths, context=n)(reps, burst=1)
+        subset = {"sub": draft_head(lm, draft_vocab)} if draft_vocab else None  # (for timing: any N rows)
+        costs = cost_timer(lm, random_prompt(pad_prompt, seed), depths, other_projections=subset, context=n)(reps, burst=1)
+        if draft_vocab:
+            costs["Td_whole_vocabulary"], costs["Td"] = costs["Td"], costs.pop("Td_other")["sub"]
         turn = {"context": n, "rates": list(rates), "cost_model": costs,
                 "modeled_tps": {str(k): v for k, v in modeled(costs, rates, depths).items()}}
         if n <= measured_up_to:
@@ -68,12 +74,13 @@ def long_session(lm: LoadedModel, contexts: Sequence[int], depths: Sequence[int]
                 raise ValueError(f"turn {t + 1}: the session already holds {len(prompt)} tokens, past {n}")
             prompt = prompt + random_prompt(n - len(prompt), seed + t + 1)
             reference = _run(lm, prompt, max_tokens + max(depths), SpecConfig("mtp", max(depths)), cache).tokens
+            head = draft_head(lm, draft_vocab, reference) if draft_vocab else None
             plain, runs = [], {k: [] for k in depths}
             for i in range(pairs):
                 plain.append(_run(lm, prompt, max_tokens, SpecConfig("off"), cache))
                 for k in depths:
                     # A seed per turn and pair: each samples rounds of its own.
-                    drafter = replayed_drafter(lm, reference, profile, seed + 1000 * (t + 1) + i)
+                    drafter = replayed_drafter(lm, reference, profile, seed + 1000 * (t + 1) + i, head)
                     run = _run(lm, prompt, max_tokens, SpecConfig("mtp", k), cache, drafter)
                     if run.tokens != reference[:max_tokens]:
                         raise AssertionError(f"context {n}, depth {k}: replayed drafting changed the greedy output")
@@ -98,7 +105,7 @@ def long_session(lm: LoadedModel, contexts: Sequence[int], depths: Sequence[int]
             say(f"context {n} (cost model): plain {turn['modeled_tps']['plain']:.1f} tok/s, " + ", ".join(
                 f"depth {k} {turn['modeled_tps'][str(k)]:.1f}" for k in depths))
         turns.append(turn)
-    return {"contexts": list(contexts), "depths": list(depths), "max_tokens": max_tokens,
+    return {"contexts": list(contexts), "depths": list(depths), "max_tokens": max_tokens, "draft_vocab": draft_vocab,
             "measured_up_to": measured_up_to, "pairs": pairs, "reps": reps, "turns": turns,
             "session": session_totals(turns, depths, max_tokens)}
 

@@ -75,12 +75,16 @@ def test_the_tool_builds_a_shape_and_removes_it(tmp_path, monkeypatch, capsys):
     tool = load_tool("long_session")
     monkeypatch.setattr("sys.argv", ["long_session.py", "--shape", "qwen3.5-0.8b", "--scaled-down", "--dtype", "float32",
                                      "--root", str(tmp_path), "--contexts", "32,64", "--measure-up-to", "32",
-                                     "--max-tokens", "6", "--depths", "1", "--reps", "1", "--acceptance", "27b-long"])
+                                     "--max-tokens", "6", "--depths", "1", "--reps", "1", "--acceptance", "27b-long",
+                                     "--draft-vocab", "auto", "--json", str(tmp_path.parent / "record.json")])
     handler = signal.getsignal(signal.SIGTERM)
     try:
         assert tool.main() == 0
     finally:
         signal.signal(signal.SIGTERM, handler)
     out = capsys.readouterr().out
-    assert "qwen3.5-0.8b (float32), acceptance 27b-long" in out.splitlines()[0]
+    assert out.splitlines()[0].startswith("qwen3.5-0.8b (float32), acceptance 27b-long, 6 tokens a turn, drafts over 256 tokens")
     assert list(tmp_path.iterdir()) == []  # the checkpoint is gone
+    record = json.loads((tmp_path.parent / "record.json").read_text())
+    costs = record["turns"][1]["cost_model"]  # Td over the 256 rows, the whole vocabulary's kept beside it
+    assert record["draft_vocab"] == 256 and {"Td", "Td_whole_vocabulary"} <= set(costs)
