@@ -115,8 +115,11 @@ def main() -> int:
             draft_vocab = int(args.draft_vocab)
         else:
             ap.error(f"--draft-vocab must be full, auto or a number of tokens below {vocab}: {args.draft_vocab!r}")
-        record.update(long_session(lm, contexts, depths, profile, args.max_tokens, args.measure_up_to,
-                                   args.pairs, args.reps, draft_vocab=draft_vocab, notify=say))
+        try:
+            record.update(long_session(lm, contexts, depths, profile, args.max_tokens, args.measure_up_to,
+                                       args.pairs, args.reps, draft_vocab=draft_vocab, notify=say))
+        except DynoError as e:
+            ap.error(e.message)
         del lm
     print_table(record)
     if args.json:

@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from ..config import SamplingParams, SpecConfig
 from ..engine import generate
+from ..errors import DynoError
 from ..loader import LoadedModel
 from ..prompt_cache.store import PrefixCache
 from ..stats import GenerationStats
@@ -71,7 +72,8 @@ def long_session(lm: LoadedModel, contexts: Sequence[int], depths: Sequence[int]
                 "modeled_tps": {str(k): v for k, v in modeled(costs, rates, depths).items()}}
         if n <= measured_up_to:
             if len(prompt) >= n:
-                raise ValueError(f"turn {t + 1}: the session already holds {len(prompt)} tokens, past {n}")
+                raise DynoError(f"turn {t + 1} of {n} tokens: the session already holds {len(prompt)} (each turn "
+                                "adds its answer; leave more room between contexts)")
             prompt = prompt + random_prompt(n - len(prompt), seed + t + 1)
             reference = _run(lm, prompt, max_tokens + max(depths), SpecConfig("mtp", max(depths)), cache).tokens
             head = draft_head(lm, draft_vocab, reference) if draft_vocab else None

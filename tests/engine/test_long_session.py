@@ -59,6 +59,8 @@ def test_the_tool_runs_a_short_session_on_the_bundled_model(tmp_path, monkeypatc
     (["--depths", "4"], "--depths must be from 1 to the profile's 3 positions"),
     (["--contexts", "2048:1024"], "--depths takes numbers like 1,2,3 and --contexts FIRST:LAST"),
     (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--contexts", "256,260", "--max-tokens", "8", "--reps", "1", "--depths", "1"],
+     "turn 2 of 260 tokens: the session already holds 264"),
 ])
 def test_bad_arguments_get_one_line(monkeypatch, capsys, argv, message):
     tool = load_tool("long_session")
