@@ -36,6 +36,7 @@ from speculative.measure.random_checkpoint import built, scaled_down
 from speculative.measure.replay import ContextProfile, parse_profile
 from speculative.measure.scale import draft_vocab_floor
 from speculative.measure.session import doubling, long_session, tps
+from speculative.prompt_cache.store import PrefixCache
 
 
 def contexts_of(text: str):
@@ -117,7 +118,8 @@ def main() -> int:
             ap.error(f"--draft-vocab must be full, auto or a number of tokens below {vocab}: {args.draft_vocab!r}")
         try:
             record.update(long_session(lm, contexts, depths, profile, args.max_tokens, args.measure_up_to,
-                                       args.pairs, args.reps, draft_vocab=draft_vocab, notify=say))
+                                       args.pairs, args.reps, draft_vocab=draft_vocab, cache=PrefixCache(),
+                                       notify=say))
         except DynoError as e:
             ap.error(e.message)
         del lm

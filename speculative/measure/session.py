@@ -5,7 +5,8 @@ Every turn gets the cost model at its context (T1, Tv(k), Td with the attention 
 cost_model.pad_attention): plain decodes 1/T1 tokens a second and depth k E(k)/(Tv(k) + k*Td), E(k)
 = 1 + the profile's rates at that context summed to position k. Turns up to `measured_up_to` tokens
 also run for real: the session's prompt is the last turn's, its answer and new tokens up to the
-turn's length, reused through one prompt cache (as a server would: only what is new is prefilled);
+turn's length, reused through the prompt cache the caller gives (as a server would: only what is
+new is prefilled);
 a reference run drafting with the model's own head writes the tokens the replayed drafts follow,
 then plain decoding (Dyno's "off" path, which is mlx-lm's generate_step) and each depth run in
 alternation, each run's output checked equal to the reference. Past what fits in time on a slow
@@ -18,7 +19,6 @@ from ..config import SamplingParams, SpecConfig
 from ..engine import generate
 from ..errors import DynoError
 from ..loader import LoadedModel
-from ..prompt_cache.store import PrefixCache
 from ..stats import GenerationStats
 from .bench import summarize
 from .cost_model import cost_timer
@@ -53,13 +53,14 @@ def _run(lm, prompt, n, spec, cache, drafter=None) -> GenerationStats:
 
 def long_session(lm: LoadedModel, contexts: Sequence[int], depths: Sequence[int], profile: Profile,
                  max_tokens: int, measured_up_to: int, pairs: int = 1, reps: int = 5, seed: int = 0,
-                 pad_prompt: int = 16, draft_vocab: Optional[int] = None,
+                 pad_prompt: int = 16, draft_vocab: Optional[int] = None, cache=None,
                  notify: Optional[Callable[[str], None]] = None) -> Dict[str, object]:
     """The record of one session through `contexts` (increasing), `max_tokens` decoded per turn;
     `draft_vocab` N: drafts over N rows (scale.draft_subset: a turn's reference tokens first), and
-    the cost model's Td over N rows, as `--draft-vocab N` drafts."""
+    the cost model's Td over N rows, as `--draft-vocab N` drafts. `cache`: the prompt cache the
+    session's runs share (a PrefixCache, given by the caller: measure/ does not reach prompt_cache/),
+    so each prefills only what is new; None: every run prefills its whole prompt."""
     say = notify or (lambda _m: None)
-    cache = PrefixCache()  # the session's: each turn prefills only what is new
     prompt: List[int] = []
     turns = []
     for t, n in enumerate(contexts):
