@@ -80,12 +80,17 @@ class Client(threading.Thread):
             self.messages = asked + [{"role": "assistant", "content": content}]
 
 
+def names(folder):
+    return {p.name for d in folder.iterdir() if d.is_dir() for p in d.iterdir()}
+
+
 def kill_while_writing(folder, server, clients, timeout=60):
-    """SIGKILL `server` as soon as a temporary file shows up in the cache folder (a write under way),
-    or at `timeout`; True when one was seen."""
-    deadline, seen = time.monotonic() + timeout, False
+    """SIGKILL `server` as soon as a new name shows up in the cache folder (a write begun: its
+    temporary file, or a file written in place if writes were not atomic), or at `timeout`; True
+    when one was seen."""
+    deadline, seen, before = time.monotonic() + timeout, False, names(folder)
     while time.monotonic() < deadline and any(c.is_alive() for c in clients):
-        if any(p.name.startswith(".tmp-") for d in folder.iterdir() if d.is_dir() for p in d.iterdir()):
+        if names(folder) - before:
             seen = True
             break
         time.sleep(0.0005)
