@@ -17,6 +17,7 @@ decoding on Apple Silicon (docs/performance.md); the record and the table name t
 speculative/measure/scale.py's draft_subset (`--draft-ids first|seeded`) and labelled in the record.
 `--tune` also runs `dyno tune`'s procedure with the drafts replayed (a random head accepts nothing, so
 the command itself cannot be run on such a model) and prints the depth it picks.
+One session grown turn by turn to long contexts, acceptance decaying with it: tools/long_session.py.
 """
 
 import argparse

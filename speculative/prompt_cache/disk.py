@@ -7,8 +7,13 @@ rows, its recurrent states, its head rows and hidden, and its checkpoints; the m
 which model made it and how the arrays map onto the cache. Files are written to a temporary name
 and renamed (os.replace), so a crash leaves no half file under a real name. Only the tokens and
 the positions are read at startup (from the safetensors header); arrays are loaded when a prompt
-can use them. A file that cannot be read, or that another model made, is ignored with a one-line
-notice. The folder has its own byte budget: the least recently used files go first.
+can use them, and trusted only when they match the sha256 the metadata holds of them (and of the
+rest of the metadata): a file damaged on disk (flipped bytes, a write the disk lost, truncation) is
+removed with a one-line notice and the prompt is prefilled cold. Writes are not fsynced: a file a
+power loss tore fails its checksum, and costs a prefill, never a wrong answer. A file of an older
+format version is removed the same way when the index is read; one of a newer version, or that
+another model made, is ignored (left to whoever wrote it). The folder has its own byte budget: the
+least recently used files go first.
 """
 
 import hashlib
@@ -34,7 +39,7 @@ from .store import (
 )
 
 FORMAT = "dyno-prompt-cache"
-VERSION = "1"
+VERSION = "2"  # 2: the sha256 of the arrays in the metadata (1 had none)
 DISK_SHARE = 2  # the default disk budget: 1/2 of the free space at most,
 DISK_MEMORY_MULTIPLE = 4  # and at most 4x the default memory budget
 STALE_TEMP_S = 3600  # a temporary file this old is a crashed write: removed
@@ -125,21 +130,38 @@ class DiskTier:
     def _read_record(self, path: Path) -> Optional[Record]:
         try:
             meta, tokens = read_header_and_tokens(path)
-            problem = self._foreign(meta)
-            if problem:
-                self.notify(f"dyno: prompt cache: ignoring {path}: {problem}")
-                return None
             stat = path.stat()
-            return Record(path, tokens.astype(np.int64), positions(meta, len(tokens)), stat.st_size, stat.st_mtime)
         except Exception as e:
-            self.notify(f"dyno: prompt cache: ignoring {path}: not a readable prompt cache file ({one_line(e)})")
-            return None
+            return self._drop(path, f"not a readable prompt cache file ({one_line(e)})", remove=True)
+        verdict = self._verdict(meta)
+        if verdict is not None:
+            return self._drop(path, *verdict)
+        return Record(path, tokens.astype(np.int64), positions(meta, len(tokens)), stat.st_size, stat.st_mtime)
 
-    def _foreign(self, meta: Dict[str, str]) -> Optional[str]:
-        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            return f"not a {FORMAT} v{VERSION} file"
+    def _verdict(self, meta: Dict[str, str]) -> Optional[Tuple[str, bool]]:
+        """None for a file this model can use, else (why not, whether to remove it): an older
+        format version is ours to clear away; another format, a newer version or another model's
+        file is left alone."""
+        if meta.get("format") != FORMAT:
+            return f"not a {FORMAT} file", False
+        version = meta.get("version", "")
+        if version != VERSION:
+            older = version.isdigit() and int(version) < int(VERSION)
+            return f"written by format version {version or '?'}, this Dyno reads version {VERSION}", older
         if meta.get("trunk") != self.trunk_key or meta.get("layout") != self.layout:
-            return "made by another model"
+            return "made by another model", False
+        return None
+
+    def _drop(self, path: Path, problem: str, remove: bool) -> None:
+        """Forget `path` with a one-line notice; `remove`: delete it too (it can never serve)."""
+        if self._index is not None:
+            self._index.pop(path, None)
+        if remove:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                remove = False
+        self.notify(f"dyno: prompt cache: {'removed' if remove else 'ignoring'} {path}: {problem}")
         return None
 
     @property
@@ -158,17 +180,21 @@ class DiskTier:
     # ---- reading and writing -------------------------------------------------------------
 
     def load(self, record: Record) -> Optional[PrefixEntry]:
-        """The entry a file holds, or None (with a notice) when it cannot be used."""
+        """The entry a file holds, or None (with a notice) when it cannot be used: its arrays are
+        trusted only when they match the checksum written with them."""
         try:
             arrays, meta = mx.load(str(record.path), return_metadata=True)
-            problem = self._foreign(meta)
-            if problem:
-                raise ValueError(problem)
-            entry = decode(arrays, meta, self.make_cache(), meta.get("head") == (self.head_key or ""))
         except Exception as e:
-            self.notify(f"dyno: prompt cache: ignoring {record.path}: {one_line(e)}")
-            self.index.pop(record.path, None)
-            return None
+            return self._drop(record.path, f"not a readable prompt cache file ({one_line(e)})", remove=True)
+        verdict = self._verdict(meta)
+        if verdict is not None:
+            return self._drop(record.path, *verdict)
+        try:
+            if meta.get("sha256") != checksum(arrays, meta):
+                raise ValueError("its arrays do not match their checksum (the file was damaged)")
+            entry = decode(arrays, meta, self.make_cache(), meta.get("head") == (self.head_key or ""))
+        except Exception as e:  # a damaged file (truncated, bytes flipped) or one that cannot fit this model
+            return self._drop(record.path, one_line(e), remove=True)
         entry.saved = True
         record.used = time.time()
         try:
@@ -282,7 +308,23 @@ def encode(entry: PrefixEntry, trunk_key: str, head_key: Optional[str], layout: 
         "head_layers": str(len(entry.head_cache or ())), "head_starts": json.dumps(starts),
         "checkpoints": json.dumps(sorted(entry.checkpoints)), "hidden_at": json.dumps(sorted(hidden_at)),
     }
+    meta["sha256"] = checksum(arrays, meta)
     return arrays, meta
+
+
+def checksum(arrays: Dict[str, mx.array], meta: Dict[str, str]) -> str:
+    """sha256 of the metadata (but this sum) and of each array's name, dtype, shape and bytes in
+    name order: what a file's arrays must hash to before its state is trusted."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True).encode())
+    for name in sorted(arrays):
+        a = arrays[name]
+        data = memoryview(a)  # (evaluates it)
+        if not data.c_contiguous:  # a cache's rows sliced out of its larger buffer: one copy at a time
+            data = memoryview(mx.contiguous(a))
+        h.update(f"{name}:{str(a.dtype).rsplit('.', 1)[-1]}:{tuple(a.shape)};".encode())
+        if data.nbytes:  # (a view with a zero in its shape cannot be cast)
+            h.update(data.cast("B"))
+    return h.hexdigest()
 
 
 def decode(arrays: Dict[str, mx.array], meta: Dict[str, str], template: List[Any], head_ok: bool) -> PrefixEntry:

@@ -7,7 +7,7 @@ import pytest
 from speculative.config import SamplingParams, SpecConfig
 from speculative.errors import DynoError
 from speculative.measure.bench import run_dyno, run_mlx_lm
-from speculative.measure.replay import ReplayedDrafter, parse_profile, replayed_drafter
+from speculative.measure.replay import ContextProfile, ReplayedDrafter, Script, parse_profile, replayed_drafter
 
 PROMPT = [5, 17, 101, 42, 7]
 
@@ -89,3 +89,64 @@ def test_a_replayed_batch_is_exact_and_follows_the_profile_on_every_row(tiny_lm)
         assert abs(a / d - p) <= 4 * math.sqrt(p * (1 - p) / d), (accepted, drafted)
     with pytest.raises(DynoError, match="greedy"):
         batch.join(9, PROMPT, SamplingParams(max_tokens=4, temperature=0.7))
+
+
+def test_a_context_profile_interpolates_between_its_points_and_clamps_beyond():
+    profile = parse_profile("1k:0.9,0.8,0.6/3072:0.5,0.4,0.2", by_context=True)
+    assert isinstance(profile, ContextProfile) and len(profile) == 3
+    assert profile.at(1024) == (0.9, 0.8, 0.6) and profile.at(3072) == (0.5, 0.4, 0.2)
+    assert profile.at(10) == (0.9, 0.8, 0.6) and profile.at(10**6) == (0.5, 0.4, 0.2)
+    assert all(math.isclose(a, b) for a, b in zip(profile.at(2048), (0.7, 0.6, 0.4)))
+    assert all(math.isclose(a, b) for a, b in zip(profile.at(1536), (0.8, 0.7, 0.5)))
+    long = parse_profile("27b-long", by_context=True)  # vLLM #47602's position-1 decay
+    assert long.at(1024)[0] == 0.935 and long.at(32768)[0] == 0.721
+    assert long.at(1024) == (0.935, 0.86, 0.75)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("1k:0.9,0.8/512:0.5,0.4", "a context profile's contexts must increase"),
+    ("1k:0.9,0.8/2k:0.5", "every point of a context profile needs as many positions"),
+    ("lots:0.9", "a profile point's context must be a number of tokens"),
+    ("1k:0.5,0.9", "acceptance rates must be non-increasing"),
+    ("1k:0.9/2k", "every point of a context profile is CONTEXT:RATES"),
+])
+def test_context_profiles_are_checked(bad, message):
+    with pytest.raises(DynoError) as e:
+        parse_profile(bad, by_context=True)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    with pytest.raises(DynoError, match="not a profile by context"):  # where rates by position are taken
+        parse_profile("27b-long")
+
+
+def within(got, p, n):
+    """`got` is a frequency over n draws of a probability p, within four standard errors."""
+    return abs(got - p) <= 4 * math.sqrt(p * (1 - p) / n) + 1e-9
+
+
+def test_scripted_acceptance_follows_the_profile_at_each_context():
+    """Over many rounds at one context, position j is right as often as the interpolated rate says."""
+    profile = parse_profile("1k:0.9,0.8,0.6/3072:0.3,0.2,0.1", by_context=True)
+    reference, n = list(range(1, 4001)), 3000
+    script = Script(reference, profile, vocab=5000, seed=2)
+    for context in (512, 1536, 2048, 4096):
+        right = [0, 0, 0]
+        for start in range(n):
+            drafts = script.drafts(start, 3, context)
+            for j in range(3):
+                right[j] += all(d == reference[start + i] for i, d in enumerate(drafts[: j + 1]))
+        assert all(within(r / n, p, n) for r, p in zip(right, profile.at(context))), (context, right)
+
+
+def test_a_rows_context_picks_its_rates(tiny_lm):
+    """Replayed runs from a short and a long prompt under one context profile: each accepts at the
+    rates of its own context (the profile's two ends here), output plain greedy's."""
+    lm = tiny_lm("tied-gqa2")
+    profile = parse_profile("300:0.9,0.8,0.6/700:0.3,0.15,0.05", by_context=True)
+    n = 240
+    for prompt, rates in ((PROMPT, profile.at(0)), ((PROMPT * 160)[:800], profile.at(10**6))):
+        reference = run_mlx_lm(lm, prompt, SamplingParams(max_tokens=n + 3)).tokens
+        run = run_dyno(lm, prompt, SamplingParams(max_tokens=n), SpecConfig("mtp", 3, None),
+                       drafter=replayed_drafter(lm, reference, profile, seed=1))
+        assert run.tokens == reference[:n]
+        got = run.stats.acceptance_by_position()
+        assert all(within(g, p, r) for g, p, r in zip(got, rates, run.stats.drafted_per_position)), (rates, got)

@@ -2,6 +2,7 @@
 regenerates, batches and restarts reuse what they share, report it truthfully (usage, /stats,
 /metrics), and answer exactly what a cold run answers."""
 
+import logging
 import time
 from contextlib import contextmanager
 
@@ -14,6 +15,7 @@ from dyno_ui.paths import BUNDLED_MODEL
 from dyno_ui.runtime.served import ServedModel
 from dyno_ui.runtime.worker import EngineWorker
 from dyno_ui.server.app import create_app
+from helpers.cache_files import flip_array_bytes
 from helpers.reference import plain_greedy, template_tokens
 from helpers.serving import MODEL_ID, Running, detokenize, running_server, serving_in_thread, split_think
 from helpers.tiny_models import with_chat_template
@@ -153,6 +155,29 @@ def test_batched_turns_and_a_restart_reuse_and_match_cold_runs(tiny_dir, tiny_lm
                                                        temperature=0)
         assert reply.choices[0].message.content == split_think(detokenize(lm, plain_greedy(lm, third, 12)))[0]
         assert reply.usage.prompt_tokens_details.cached_tokens == last_message_start(lm, prompt)
+
+
+def test_a_damaged_file_on_disk_is_prefilled_cold_after_a_restart(tiny_dir, tiny_lm, tmp_path, caplog):
+    """Bytes flipped in the arrays of the file a server left (its header intact): the next server
+    answers the follow-up exactly as a cold run, prefilling all of it, and removes the file."""
+    lm = tiny_lm()
+    messages = [SYSTEM, {"role": "user", "content": ASKS[0]}]
+    with server_with(tiny_dir(), folder=tmp_path) as first:
+        reply = first.client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=9, temperature=0)
+    (path,) = tmp_path.rglob("*.safetensors")
+    assert flip_array_bytes(path)
+    messages = messages + [{"role": "assistant", "content": reply.choices[0].message.content},
+                           {"role": "user", "content": ASKS[1]}]
+    cold = detokenize(lm, plain_greedy(lm, template(lm, messages), 12))
+    with caplog.at_level(logging.WARNING, logger="dyno.serve"), server_with(tiny_dir(), folder=tmp_path) as second:
+        reply = second.client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=12,
+                                                      temperature=0)
+        assert reply.choices[0].message.content == split_think(cold)[0]
+        assert reply.usage.prompt_tokens_details.cached_tokens == 0
+        assert not path.exists()
+    notices = [r.getMessage() for r in caplog.records if "prompt cache" in r.getMessage()]
+    assert notices == [f"dyno: prompt cache: removed {path}: its arrays do not match their checksum "
+                       "(the file was damaged)"]
 
 
 def chat_turns(server, lm, turns):
