@@ -23,6 +23,7 @@ from .loader import LoadedModel
 from .loader.vision import VisionInput
 from .backend.memory import MLX_MEMORY, Memory
 from .prompt_cache.store import Checkpoint, PrefixCache, PrefixEntry, Resume, owned, recurrent_state
+from .round.copies import CopiesAndHead
 from .round.drafter import Drafter
 from .round.processors import processors_for, with_prefix
 from .round.sampling import plain_sampler
@@ -140,6 +141,7 @@ class DraftedRun:
     def __init__(self, lm: LoadedModel, params: SamplingParams, spec: SpecConfig, prefill_step: int,
                  drafter: Optional[Drafter] = None, memory: Memory = MLX_MEMORY, rng_seed: Optional[int] = None):
         # Its state is kept as it leaves: for the prefix cache, or for plain decoding to go on from.
+        drafter = drafter if drafter is not None else CopiesAndHead(spec.copies)  # the head, and copies unless off
         self.batch = BatchSpeculator(lm, prefill_step, spec.draft_vocab, memory, True, drafter, clear_per_rounds=False)
         self.params, self.depth, self.details, self.rng_seed = params, spec.draft_depth, spec.details, rng_seed
         self.memory = memory
