@@ -37,7 +37,7 @@ def add_commands(sub) -> None:
     b.add_argument("--concurrency", metavar="N,N,...",
                    help="instead: the suite's prompts as N concurrent rows (e.g. 1,2,4,8): Dyno batched drafting "
                         "against Dyno batched plain, mlx-lm's BatchGenerator and serial drafting")
-    b.add_argument("--copies", default=ModelOptions.copies, metavar="SOURCES",
+    b.add_argument("--copies", default="off,on", metavar="SOURCES",
                    help="comma-separated draft sources to run at each depth: off (the head alone, setting mtp@k), "
                         "on (copies from the context beside it, mtp@k+copies), only (copies alone, copies@k) "
                         "(default: %(default)s)")

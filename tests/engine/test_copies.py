@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="row invariance holds on the CPU backend")
 
 EDIT = SUITES["edit"][0]["prompt"]  # asks for two functions again, unchanged
+SHORT = (4, 2)
 LOOP = "def f(x):\n    return x\n" * 3  # tied-gqa2, random, soon repeats one token: its own output copies
 
 
@@ -60,7 +61,9 @@ def test_copied_greedy_equals_mlx_lm(bundled, tiny_lm, model, text, depth, copie
     lm = bundled if model == "bundled" else tiny_lm(model)
     prompt = lm.tokenizer.encode(text)
     n = 160
-    tokens, events = run(lm, prompt, SamplingParams(max_tokens=n), depth, copies)
+    # On the random model, 2-token matches too: more copies that break, to exercise the rejecting branch.
+    drafter = CopiesAndHead(copies, sizes=SHORT) if model != "bundled" else None
+    tokens, events = run(lm, prompt, SamplingParams(max_tokens=n), depth, copies, drafter=drafter)
     reference = plain_greedy_prefix(lm, prompt, n + COPY_CAP, stop_at_eos=False)
     assert [t.id for t in tokens] == plain_greedy_prefix(lm, prompt, n)
     # Every round, copied or drafted, keeps exactly its drafts the greedy rule agrees with.
@@ -121,9 +124,9 @@ def test_a_resumed_prompt_copies_from_all_of_it(tiny_lm):
     cache = PrefixCache()
     first = lm.tokenizer.encode(LOOP)
     params = SamplingParams(max_tokens=40)
-    tokens, _ = run(lm, first, params, 2, "on", prefix_cache=cache)
+    tokens, _ = run(lm, first, params, 2, "on", prefix_cache=cache, drafter=CopiesAndHead("on", sizes=SHORT))
     second = first + [t.id for t in tokens] + lm.tokenizer.encode("\n" + LOOP)
-    tokens, events = run(lm, second, params, 2, "on", prefix_cache=cache)
+    tokens, events = run(lm, second, params, 2, "on", prefix_cache=cache, drafter=CopiesAndHead("on", sizes=SHORT))
     done = events[-1]
     assert done.reused_prompt_tokens > 0
     assert [t.id for t in tokens] == plain_greedy_prefix(lm, second, 40)
@@ -162,3 +165,26 @@ def test_rows_with_other_settings_and_sources_in_one_batch(bundled):
 def test_a_bad_source_is_one_line():
     with pytest.raises(DynoError, match="--copies must be one of on, off, only"):
         SpecConfig(copies="sometimes")
+
+
+def test_stats_and_metrics_by_source(tiny_lm):
+    """/stats and /metrics count each source apart, from the same fold as the CLI's line."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dyno_ui.runtime.metrics import Outcome, ServerMetrics
+
+    lm = tiny_lm("tied-gqa2")
+    stats = GenerationStats()
+    for e in run(lm, lm.tokenizer.encode(LOOP), SamplingParams(max_tokens=120), 3, "on")[1]:
+        stats.add(e)
+    metrics = ServerMetrics(3)
+    metrics.record(Outcome(stats, "length", 10, 0, 1.0, 0.1))
+    copy = metrics.stats_json()["speculative"]["by_source"]["copy"]
+    assert copy["accepted_tokens"] == stats.sources["copy"].accepted_tokens > 0
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(metrics.exposition().decode()) for s in f.samples}
+    assert samples[("mlx:draft_tokens_accepted_by_source_total", (("source", "copy"),))] == copy["accepted_tokens"]
+    assert samples[("mlx:spec_decode_tokens_per_round_by_source", (("source", "copy"),))] == pytest.approx(
+        copy["tokens_per_round"])
+    assert samples[("mlx:draft_acceptance_by_source_position", (("position", "1"), ("source", "copy")))] == \
+        pytest.approx(copy["acceptance_by_position"][0])
