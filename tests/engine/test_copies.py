@@ -188,3 +188,14 @@ def test_stats_and_metrics_by_source(tiny_lm):
         copy["tokens_per_round"])
     assert samples[("mlx:draft_acceptance_by_source_position", (("position", "1"), ("source", "copy")))] == \
         pytest.approx(copy["acceptance_by_position"][0])
+
+
+def test_the_playground_shows_copies_apart():
+    from dyno_ui.playground import render
+    from dyno_ui.playground.trace import Span
+
+    assert 'tok tok-copy' in render.legend_html() and "copy" in render.KINDS
+    html = render.token_spans([Span("return", "copy", "content", 0.0, 0), Span(" x", "draft", "content", 0.0, 1)])
+    assert '<span class="tok tok-copy">return</span><span class="tok tok-draft"> x</span>' == html
+    css = (ROOT / "assets" / "dyno.css").read_text()
+    assert ".tok-copy {" in css and "--tok-copy:" in css
