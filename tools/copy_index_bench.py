@@ -106,7 +106,7 @@ def main():
     rng = random.Random(0)
     rng.shuffle(fresh)
     rows = {}
-    for name, make in (("ngram (8,4,2)", ContextIndex), ("ngram (4,2)", lambda: ContextIndex((4, 2))),
+    for name, make in (("ngram (8,4,3)", lambda: ContextIndex((8, 4, 3))), ("ngram (4,2)", lambda: ContextIndex((4, 2))),
                        ("ngram (2,)", lambda: ContextIndex((2,))), ("suffix automaton", SuffixAutomaton)):
         for text, tokens in (("stdlib", real), ("no repeats", fresh)):
             per_token, hit = time_it(make, tokens)

@@ -266,18 +266,18 @@ def _print_table(record) -> None:
     rows = _aggregate(record)
     fmt = lambda v, f: "-" if v is None else format(v, f)
     _print_blas(record)
-    print(f"{'suite':10} {'T':>4} {'setting':8} {'tok/s':>7} {'vs mlx-lm':>18} {'tok/round':>9} "
+    print(f"{'suite':10} {'T':>4} {'setting':13} {'tok/s':>7} {'vs mlx-lm':>18} {'tok/round':>9} "
           f"{'bound':>6} {'eff':>5} {'same':>5}  acceptance by position")
     for r in rows:
         rng = f"{fmt(r['ratio'], '.2f')}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
         same = {True: "yes", False: "NO", None: "-"}[r["identical"]]
         acc = " ".join(f"{a:.2f}" for a in r["acceptance"])
-        print(f"{r['suite']:10} {r['temperature']:>4} {r['setting']:8} {fmt(r['tps'], '.1f'):>7} {rng:>18} "
+        print(f"{r['suite']:10} {r['temperature']:>4} {r['setting']:13} {fmt(r['tps'], '.1f'):>7} {rng:>18} "
               f"{fmt(r['tpr'], '.2f'):>9} {fmt(r['bound'], '.2f'):>6} {fmt(r['efficiency'], '.2f'):>5} {same:>5}  {acc}")
         if len(r["by_source"]) > 1 or "copy" in r["by_source"]:  # accepted per round by source and position
             for source, c in r["by_source"].items():
                 acc = " ".join(f"{a:.2f}" for a in c["acceptance"])
-                print(f"{'':10} {'':>4} {'  ' + source:8} {c['rounds']:>7} rounds {'':>11}{fmt(c['tpr'], '.2f'):>9} "
+                print(f"{'':10} {'':>4} {'  ' + source:13} {c['rounds']:>7} rounds {'':>11}{fmt(c['tpr'], '.2f'):>9} "
                       f"{'':>6} {'':>5} {'':>5}  {acc}")
     c = record["cost_model"]
     tv = " ".join(f"Tv({k})={v * 1e3:.1f}ms" for k, v in c["Tv"].items())
