@@ -35,11 +35,12 @@ class ModelOptions:
     mtp_head_bits: Optional[str] = None
     mtp_base: Optional[str] = None
     distributed: Optional[str] = None  # "pipeline" or "tensor": split across the ranks of mlx.launch
+    copies: str = "on"  # drafts copied from the context: on (beside the head's), off, only (docs/how-it-works.md)
 
     def load_args(self, mode: Optional[str] = None) -> dict:
         """The loader's keyword arguments for this model (`mode` overrides --speculative)."""
         return dict(mode=mode or self.speculative, mtp_head=self.mtp_head, mtp_base=self.mtp_base,
-                    head_bits=self.mtp_head_bits)
+                    head_bits=self.mtp_head_bits, copies=self.copies)
 
     def __post_init__(self):
         """Every value checked before anything is loaded."""
@@ -47,7 +48,7 @@ class ModelOptions:
             raise DynoError(f"--distributed must be pipeline or tensor, got {self.distributed!r}")
         if self.draft_depth != "auto":
             SpecConfig(self.speculative, self.draft_depth)
-        SpecConfig(self.speculative, draft_vocab=self.draft_vocab)
+        SpecConfig(self.speculative, draft_vocab=self.draft_vocab, copies=self.copies)
         parse_head_bits(self.mtp_head_bits)
 
 

@@ -26,7 +26,7 @@ __all__ = [
 
 
 def load_model(path, mode: str = "auto", draft_depth="auto", draft_vocab="auto", notify=None, split=None,
-               batched: bool = False, **load_kw):
+               batched: bool = False, copies: str = "off", **load_kw):
     """(LoadedModel, SpecConfig): `path` loaded and how it drafts settled, once.
 
     The model and its head (loader.load_checkpoint; `load_kw`: mtp_head, mtp_base, head_bits), then the draft
@@ -55,7 +55,7 @@ def load_model(path, mode: str = "auto", draft_depth="auto", draft_vocab="auto",
     notice = depth_notice(lm.text_config, depth) if lm.head is not None and mode != "off" else None
     if notice is not None and notify is not None:
         notify(f"warning: {notice}")
-    return lm, SpecConfig(mode, depth, vocab, policy=policy)
+    return lm, SpecConfig(mode, depth, vocab, policy=policy, copies=copies)
 
 
 def __getattr__(name):

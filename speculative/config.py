@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # constraints.py pulls in MLX and llguidance, which settings 
     from .thinking_budget import ThinkingBudget
 
 MODES = ("auto", "mtp", "off")
+COPY_SOURCES = ("on", "off", "only")  # drafts copied from the context: beside the head's, never, instead of them
 MAX_DRAFT_DEPTH = 8
 DEFAULT_DRAFT_DEPTH = 3
 PENALTY_CONTEXT = 20  # mlx-lm's default window for repetition/presence/frequency penalties
@@ -150,8 +151,11 @@ class SpecConfig:
     # Each batched round's depth (a round.depth_policy.DepthPolicy), decided with draft_depth when the
     # model was loaded (load_model); None: pinned at draft_depth. Shared by every request of that model.
     policy: object = field(default=None, compare=False, repr=False)
+    copies: str = "off"  # COPY_SOURCES: drafts copied from the row's context (round/copies.py); the CLI's default is ModelOptions'
 
     def __post_init__(self):
+        if self.copies not in COPY_SOURCES:
+            raise DynoError(f"--copies must be one of {', '.join(COPY_SOURCES)}, got {self.copies!r}")
         if self.mode not in MODES:
             raise DynoError(f"--speculative must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not isinstance(self.draft_depth, int) or not (1 <= self.draft_depth <= MAX_DRAFT_DEPTH):

@@ -9,14 +9,20 @@ class Provenance(enum.Enum):
     """Where an emitted token came from."""
 
     DRAFT = "draft"  # a head draft the trunk accepted
+    COPY = "copy"  # a draft copied from the context (round/copies.py) the trunk accepted
     CORRECTION = "correction"  # the trunk's token replacing a rejected draft
     BONUS = "bonus"  # the trunk's extra token after a fully accepted round
     PLAIN = "plain"  # the trunk's token outside speculation (first token, plain decoding)
 
     @property
     def public(self) -> str:
-        """The two-way label the CLI and API report: "draft" or "model"."""
-        return "draft" if self is Provenance.DRAFT else "model"
+        """The two-way label the CLI and API report: "draft" (the head's or a copy) or "model"."""
+        return "draft" if self.drafted else "model"
+
+    @property
+    def drafted(self) -> bool:
+        """An accepted draft, from either source."""
+        return self is Provenance.DRAFT or self is Provenance.COPY
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,7 @@ class Round:
     past `accepted` were refused); `details` only when SpecConfig.details asked for them.
     `confident[i]`: the target's own top token had probability >= verify.CONFIDENT at draft i's
     position; only while the loaded head's health is being checked (empty otherwise).
+    `source`: where the drafts came from, "head" (the MTP head) or "copy" (the row's context).
     """
 
     drafted: int
@@ -75,6 +82,7 @@ class Round:
     drafts: Tuple[int, ...] = ()
     details: Optional[RoundDetails] = None
     confident: Tuple[bool, ...] = ()
+    source: str = "head"
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .events import Done, Provenance, Round, Token
+from .events import Done, Round, Token
 
 
 def _grown(counts: List[int], length: int) -> None:
@@ -36,7 +36,10 @@ class GenerationStats:
     rounds_by_depth: Dict[int, int] = field(default_factory=dict)  # drafts a round made -> rounds
     done: Optional[Done] = None
     widths: Optional[Tuple[int, int]] = None  # in a batch: the fewest and the most rows of its rounds
+    # The same counts per draft source ("head", "copy"): source -> GenerationStats of its rounds alone.
+    sources: Dict[str, "GenerationStats"] = field(default_factory=dict)
     _position: int = 0  # drafts delivered so far in the current round
+    _source: Optional[str] = None  # the current round's source
 
     @classmethod
     def from_counts(cls, rounds: int, accepted_per_position: List[int],
@@ -51,17 +54,24 @@ class GenerationStats:
         if isinstance(event, Token):
             self.tokens.append(event.id)
             self.provenance.append(event.provenance.public)
-            if event.provenance is Provenance.DRAFT:
+            if event.provenance.drafted:
                 self._count_accepted(self._position)
+                if self._source is not None:
+                    self.sources[self._source]._count_accepted(self._position)
                 self._position += 1
         elif isinstance(event, Round):
-            self.rounds += 1
-            self.draft_tokens += event.drafted
-            self.rounds_by_depth[event.drafted] = self.rounds_by_depth.get(event.drafted, 0) + 1
-            self._position = 0
-            self._count_drafted(event.drafted)
+            self._count_round(event)
+            self._source = event.source
+            self.sources.setdefault(event.source, GenerationStats())._count_round(event)
         elif isinstance(event, Done):
             self.done = event
+
+    def _count_round(self, event: Round) -> None:
+        self.rounds += 1
+        self.draft_tokens += event.drafted
+        self.rounds_by_depth[event.drafted] = self.rounds_by_depth.get(event.drafted, 0) + 1
+        self._position = 0
+        self._count_drafted(event.drafted)
 
     def add_width(self, width: int) -> None:
         """One of its rounds ran beside others: `width` rows in all."""
@@ -91,6 +101,8 @@ class GenerationStats:
             self._count_accepted(i, n)
         for depth, n in other.rounds_by_depth.items():
             self.rounds_by_depth[depth] = self.rounds_by_depth.get(depth, 0) + n
+        for source, counts in other.sources.items():
+            self.sources.setdefault(source, GenerationStats()).merge(counts)
 
     @property
     def speculative(self) -> bool:
@@ -126,9 +138,15 @@ class GenerationStats:
         n = len(self.tokens)
         if self.speculative:
             return (f"MTP: {n} tokens in {self.rounds} rounds ({self.tokens_per_round:.2f} per round), "
-                    f"{self.accepted_tokens}/{self.draft_tokens} drafts accepted{self._width_note()}")
+                    f"{self.accepted_tokens}/{self.draft_tokens} drafts accepted{self._copy_note()}{self._width_note()}")
         rate = self.decode_tokens_per_s
         return f"Plain: {n} tokens, no drafting" + (f" ({rate:.1f} tok/s)" if rate else "")
+
+    def _copy_note(self) -> str:
+        copies = self.sources.get("copy")
+        if copies is None:
+            return ""
+        return f" ({copies.accepted_tokens}/{copies.draft_tokens} copied, in {copies.rounds} rounds)"
 
     def _width_note(self) -> str:
         if self.widths is None:
@@ -155,7 +173,17 @@ class GenerationStats:
             "drafted_per_position": self.drafted_per_position,
             "tokens_per_round": self.tokens_per_round,
             "acceptance_by_position": self.acceptance_by_position(),
+            "by_source": self.by_source_json(),
         }
+
+    def by_source_json(self) -> Dict[str, dict]:
+        """Per draft source ("head", "copy"), the same figures over that source's rounds alone."""
+        return {source: {"rounds": c.rounds, "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
+                         "accepted_per_position": c.accepted_per_position,
+                         "drafted_per_position": c.drafted_per_position,
+                         "tokens_per_round": c.tokens_per_round,
+                         "acceptance_by_position": c.acceptance_by_position()}
+                for source, c in sorted(self.sources.items())}
 
 
 def tokens_sha256(tokens: Sequence[int]) -> str:

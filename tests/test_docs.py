@@ -230,7 +230,7 @@ def readme_json_keys() -> dict:
 
 def check_generate(args, r):
     assert r.stdout.strip()
-    assert re.match(r"MTP: \d+ tokens in \d+ rounds \([\d.]+ per round\), \d+/\d+ drafts accepted$",
+    assert re.match(r"MTP: \d+ tokens in \d+ rounds \([\d.]+ per round\), \d+/\d+ drafts accepted( \(\d+/\d+ copied, in \d+ rounds\))?$",
                     r.stderr.strip().splitlines()[-1]), r.stderr
     limit = int(args[args.index("--max-tokens") + 1]) if "--max-tokens" in args else None
     if "--json" in args:

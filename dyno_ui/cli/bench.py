@@ -37,6 +37,13 @@ def add_commands(sub) -> None:
     b.add_argument("--concurrency", metavar="N,N,...",
                    help="instead: the suite's prompts as N concurrent rows (e.g. 1,2,4,8): Dyno batched drafting "
                         "against Dyno batched plain, mlx-lm's BatchGenerator and serial drafting")
+    b.add_argument("--copies", default="off,on", metavar="SOURCES",
+                   help="comma-separated draft sources to run at each depth: off (the head alone, setting mtp@k), "
+                        "on (copies from the context beside it, mtp@k+copies), only (copies alone, copies@k) "
+                        "(default: %(default)s)")
+    b.add_argument("--tasks", metavar="FILE.jsonl",
+                   help="instead of --suite: prompts from a JSONL file of {\"prompt\": ..., \"answer\": ...} "
+                        "(tools/edit_tasks.py writes one from the standard library's sources)")
     b.add_argument("--draft-depth", default="auto", metavar="N|auto",
                    help="with --concurrency: the batched depth, pinned, or chosen each round by cost (default: auto)")
     b.add_argument("--json", "--out", dest="json", metavar="FILE", help="write the JSON record here")
@@ -115,7 +122,7 @@ def cmd_bench(args) -> int:
         return cmd_concurrent(args)
     from speculative.measure.bench import paired_benchmark
     from speculative.measure.cost_model import cost_model, speedup_bound
-    from speculative.config import MAX_DRAFT_DEPTH, SamplingParams, SpecConfig
+    from speculative.config import COPY_SOURCES, MAX_DRAFT_DEPTH, SamplingParams, SpecConfig
     from speculative import load_model
 
     names = [d.strip() for d in args.depths.split(",")]
@@ -127,30 +134,34 @@ def cmd_bench(args) -> int:
         raise DynoError(f"--depths must be between 1 and {MAX_DRAFT_DEPTH}, got {args.depths!r}")
     if args.pairs < 1:
         raise DynoError(f"--pairs must be at least 1, got {args.pairs}")
+    copies = [c.strip() for c in args.copies.split(",")]
+    if not copies or any(c not in COPY_SOURCES for c in copies):
+        raise DynoError(f"--copies must be comma-separated sources from {', '.join(COPY_SOURCES)}, got {args.copies!r}")
     SpecConfig("mtp", draft_vocab=args.draft_vocab)  # checked before anything loads
+    items = read_tasks(args.tasks) if args.tasks else None
     lm, spec = load_model(args.model or default_model(), mode="mtp", head_bits=args.mtp_head_bits, notify=notify,
                           mtp_head=args.mtp_head,
                           draft_depth="auto" if "auto" in names else SpecConfig.draft_depth, draft_vocab=args.draft_vocab)
     vocab = spec.draft_vocab  # auto: the N it picks for this model (None: full)
     auto = spec.draft_depth if "auto" in names else None
-    suites = list(SUITES) if args.suite == "all" else [args.suite]
+    suites = ["tasks"] if items else list(SUITES) if args.suite == "all" else [args.suite]
     record = {"machine": _machine(), "model": lm.repo_id or str(lm.path), "quantization": lm.config.get("quantization"),
               "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "settings": {"depths": depths, "auto_depth": auto, "temps": args.temp, "max_tokens": args.max_tokens, "pairs": args.pairs,
                            "top_p": args.top_p, "top_k": args.top_k, "draft_vocab": args.draft_vocab,
-                           "draft_vocab_tokens": vocab},
+                           "draft_vocab_tokens": vocab, "copies": copies, "tasks": args.tasks},
               "results": []}
     record["mtp_head"] = lm.head_memory.as_json()
     cost_depths = sorted(set(depths) | ({auto} if auto else set()))
     for suite in suites:
-        for item in SUITES[suite]:
+        for item in items if suite == "tasks" else SUITES[suite]:
             prompt = encode(lm.tokenizer, item)
             for temp in args.temp:
                 params = SamplingParams(temperature=temp, top_p=args.top_p if temp else 1.0,
                                         top_k=args.top_k if temp else 0, max_tokens=args.max_tokens, seed=0)
                 print(f"[{suite}] T={temp} {item['prompt'][:40]!r}...", file=sys.stderr, flush=True)
                 res = paired_benchmark(lm, prompt, params, depths, pairs=args.pairs, auto_depth=auto,
-                                       draft_vocab=vocab)
+                                       draft_vocab=vocab, copies=copies)
                 # Measured right after its pairs: this machine's speed drifts by tens of percent over
                 # minutes, so a bound from another moment would misstate the efficiency.
                 res["cost_model"] = cost_model(lm, prompt, cost_depths, draft_vocab=vocab)
@@ -167,6 +178,29 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def read_tasks(path: str) -> list:
+    """A JSONL task file's items ({"prompt": ..., "answer": ...} per line; the answer is not read here),
+    or a one-line error."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise DynoError(f"--tasks: cannot read {path}: {e.strerror}") from None
+    items = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DynoError(f"--tasks: {path} line {n} is not JSON: {e.msg}") from None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+            raise DynoError(f"--tasks: {path} line {n} has no \"prompt\" string")
+        items.append(item)
+    if not items:
+        raise DynoError(f"--tasks: {path} holds no tasks")
+    return items
+
+
 def _median_costs(models: list) -> dict:
     import statistics
 
@@ -181,7 +215,7 @@ def _add_bounds(record, bound) -> None:
         t1, td = costs["T1"], costs["Td"]
         for s in res["settings"].values():
             k = s["depth"]
-            if k and s["tokens_per_round"]:
+            if k and s["tokens_per_round"] and s.get("copies", "off") == "off":  # (a copy verifies deeper than k)
                 s["bound"] = bound(s["tokens_per_round"], t1, costs["Tv"][k], td, k)
                 s["efficiency"] = s["ratio"]["median"] / s["bound"]
 
@@ -205,7 +239,17 @@ def _aggregate(record):
                     "tps": med(lambda s: s["decode_tps"]["median"]), "tpr": pooled.tokens_per_round,
                     "bound": med(lambda s: s.get("bound")), "efficiency": med(lambda s: s.get("efficiency")),
                     "identical": all(s["identical"] is not False for s in ss) if ss[0]["identical"] is not None else None,
-                    "acceptance": pooled.acceptance_by_position()})
+                    "acceptance": pooled.acceptance_by_position(), "by_source": _pooled_by_source(ss)})
+    return out
+
+
+def _pooled_by_source(ss) -> dict:
+    """Per draft source, every prompt's rounds pooled: tokens per round and acceptance by position."""
+    out = {}
+    for source in sorted({src for s in ss for src in s.get("by_source", {})}):
+        total = _pooled([c for s in ss if (c := s.get("by_source", {}).get(source))])
+        out[source] = {"rounds": total.rounds, "tpr": total.tokens_per_round,
+                       "acceptance": total.acceptance_by_position()}
     return out
 
 
@@ -222,14 +266,19 @@ def _print_table(record) -> None:
     rows = _aggregate(record)
     fmt = lambda v, f: "-" if v is None else format(v, f)
     _print_blas(record)
-    print(f"{'suite':10} {'T':>4} {'setting':8} {'tok/s':>7} {'vs mlx-lm':>18} {'tok/round':>9} "
+    print(f"{'suite':10} {'T':>4} {'setting':13} {'tok/s':>7} {'vs mlx-lm':>18} {'tok/round':>9} "
           f"{'bound':>6} {'eff':>5} {'same':>5}  acceptance by position")
     for r in rows:
         rng = f"{fmt(r['ratio'], '.2f')}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
         same = {True: "yes", False: "NO", None: "-"}[r["identical"]]
         acc = " ".join(f"{a:.2f}" for a in r["acceptance"])
-        print(f"{r['suite']:10} {r['temperature']:>4} {r['setting']:8} {fmt(r['tps'], '.1f'):>7} {rng:>18} "
+        print(f"{r['suite']:10} {r['temperature']:>4} {r['setting']:13} {fmt(r['tps'], '.1f'):>7} {rng:>18} "
               f"{fmt(r['tpr'], '.2f'):>9} {fmt(r['bound'], '.2f'):>6} {fmt(r['efficiency'], '.2f'):>5} {same:>5}  {acc}")
+        if len(r["by_source"]) > 1 or "copy" in r["by_source"]:  # accepted per round by source and position
+            for source, c in r["by_source"].items():
+                acc = " ".join(f"{a:.2f}" for a in c["acceptance"])
+                print(f"{'':10} {'':>4} {'  ' + source:13} {c['rounds']:>7} rounds {'':>11}{fmt(c['tpr'], '.2f'):>9} "
+                      f"{'':>6} {'':>5} {'':>5}  {acc}")
     c = record["cost_model"]
     tv = " ".join(f"Tv({k})={v * 1e3:.1f}ms" for k, v in c["Tv"].items())
     print(f"cost model: T1={c['T1'] * 1e3:.1f}ms {tv} Td={c['Td'] * 1e3:.2f}ms")
@@ -243,7 +292,7 @@ def _plot(record, path: str) -> None:
         from plotly.subplots import make_subplots
     except ImportError:
         raise DynoError("--plot needs plotly: pip install plotly kaleido") from None
-    rows = [r for r in _aggregate(record) if r["setting"].startswith("mtp@")]
+    rows = [r for r in _aggregate(record) if r["setting"].startswith("mtp@") and "+" not in r["setting"]]
     fig = make_subplots(rows=1, cols=2, subplot_titles=("speedup vs plain mlx-lm", "tokens per round"))
     palette = ["#2e9e6b", "#d9822b", "#3b6fd4", "#a23bd4", "#6b7280", "#c0392b", "#16a085", "#8e6c2b"]
     for i, (suite, temp) in enumerate(sorted({(r["suite"], r["temperature"]) for r in rows})):

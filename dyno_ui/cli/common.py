@@ -4,7 +4,7 @@ import argparse
 import os
 import sys
 
-from speculative.config import MAX_DRAFT_DEPTH, MODES
+from speculative.config import COPY_SOURCES, MAX_DRAFT_DEPTH, MODES
 
 from ..options import ModelOptions
 
@@ -34,6 +34,11 @@ DRAFT_VOCAB_HELP = ("tokens the draft step scores: N (the model's N likeliest, s
                     "output stays exact either way (docs/heads.md, Draft vocabulary)")
 
 
+COPIES_HELP = ("drafts copied from the context where the latest tokens occurred before (up to 16 a round): on, "
+               "beside the head's drafts; off: the head alone; only: copies alone; output stays exact either way "
+               "(default: %(default)s)")
+
+
 def draft_vocab(value: str):
     """--draft-vocab: full is no restriction (None), digits a number; anything else ("auto" and typos alike)
     goes on to SpecConfig's check, which names what is allowed in one line."""
@@ -55,6 +60,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         f"stored for this model and machine, else a cost-model estimate (default: %(default)s)")
     p.add_argument("--draft-vocab", type=draft_vocab, default=ModelOptions.draft_vocab, metavar="N|auto|full",
                    help=DRAFT_VOCAB_HELP)
+    p.add_argument("--copies", choices=COPY_SOURCES, default=ModelOptions.copies, help=COPIES_HELP)
     p.add_argument("--mtp-head", metavar="DIR",
                    help="the MTP head to use: a head folder, a checkpoint of the same architecture with its head "
                         "embedded, or a repo id")
@@ -70,7 +76,7 @@ def model_options(args: argparse.Namespace) -> ModelOptions:
     """The model flags as options, checked."""
     return ModelOptions(model=args.model, speculative=args.speculative, draft_depth=args.draft_depth,
                         draft_vocab=args.draft_vocab, mtp_head=args.mtp_head, mtp_head_bits=args.mtp_head_bits,
-                        mtp_base=args.mtp_base, distributed=args.distributed)
+                        mtp_base=args.mtp_base, distributed=args.distributed, copies=args.copies)
 
 
 def add_access_args(p: argparse.ArgumentParser) -> None:

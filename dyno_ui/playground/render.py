@@ -11,12 +11,14 @@ from .trace import RoundPoint, Span, Trace
 # than hue (underline style, strike-through), so the legend reads without colour vision too.
 KINDS = {
     "draft": "accepted draft (solid underline)",
+    "copy": "accepted copy: drafted from the context (dotted underline)",
     "correction": "correction: the model refused a draft (wavy underline)",
     "bonus": "bonus: all drafts accepted (double underline)",
     "plain": "model, no draft (plain)",
     "rejected": "rejected draft (struck through, faded)",
 }
-WORDS = {"draft": "accepted draft", "correction": "correction", "bonus": "bonus", "plain": "model token"}
+WORDS = {"draft": "accepted draft", "copy": "accepted copy from the context", "correction": "correction",
+         "bonus": "bonus", "plain": "model token"}
 
 # The hover/tap card: one floating element filled from the token's data-card, for the page and for
 # exported files alike (event delegation: it survives every re-render of the answer).
@@ -56,7 +58,7 @@ def token_card(trace: Trace, index: int) -> str:
         return f"{where} · {WORDS[t.kind]}" + (f" · p {_prob(math.exp(t.logprob))}" if t.logprob is not None else "")
     r = trace.rounds[t.round - 1]
     text = f"round {t.round} · position {t.position + 1} of {r.drafted + 1} · {WORDS[t.kind]}"
-    if t.kind == "draft":
+    if t.kind in ("draft", "copy"):
         return text + _draft_numbers(r, t.position)
     if r.details is not None:
         text += f" · p {_prob(r.details.next_p)}"

@@ -21,7 +21,7 @@ class Span:
     """Text one token produced, in one channel ("content" or "reasoning")."""
 
     text: str
-    kind: str  # a Provenance value: "draft", "correction", "bonus" or "plain"
+    kind: str  # a Provenance value: "draft", "copy", "correction", "bonus" or "plain"
     channel: str
     at: float  # when its token arrived (perf_counter seconds)
     token: int = -1  # index of that token in Trace.tokens

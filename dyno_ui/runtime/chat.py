@@ -70,7 +70,7 @@ def job_for(served: ServedModel, request: ChatRequest, sink) -> Tuple[str, Job]:
                               constraint, budget)
     watch = ThinkingOnly(getattr(served.worker, "metrics", None), sink)  # (no worker: a job built to be looked at)
     job = chat_job(lm, prompt.tokens, params, list(request.stop), watch.sink, tool_calls=tool_call_stream(lm, request),
-                   images=prompt.images, spec=draft_spec(request.draft))
+                   images=prompt.images, spec=draft_spec(request.draft), copies=request.copies)
     watch.job = job
     return prompt.model, job
 

@@ -24,6 +24,7 @@ from speculative.batched import BatchSpeculator, Joiner, Leaving, RowEvents
 from speculative.batched.prefill import prefill_groups, sharing_waves
 from speculative.events import Round, Token
 from speculative.heads.health import gives_up, watch
+from speculative.round.copies import CopiesAndHead
 from speculative.round.depth_policy import RoundTimer
 from speculative.prompt_cache.store import entry_from, own_rows
 from speculative.stats import GenerationStats
@@ -90,7 +91,8 @@ class DraftingBatch:
     def _new_batch(self) -> BatchSpeculator:
         cache = self.worker.prefix_cache  # rows that leave hand their states over only to keep them there
         return BatchSpeculator(self.worker.lm, draft_vocab=self.worker.spec.draft_vocab, memory=self.worker.memory,
-                               keep_states=cache is not None and cache.enabled)
+                               keep_states=cache is not None and cache.enabled,
+                               drafter=CopiesAndHead(self.worker.spec.copies))  # a request may ask for its own
 
     def serve(self) -> None:
         w = self.worker
@@ -216,7 +218,7 @@ class DraftingBatch:
                 continue
             job.reused = at
             joiners.append(Joiner(row, job.prompt, job.params, resume, cuts, depth=pinned_depth(job),
-                                  details=job.spec is not None and job.spec.details))
+                                  details=job.spec is not None and job.spec.details, copies=job.copies))
             jobs[row] = job, nbytes
         return joiners, jobs
 

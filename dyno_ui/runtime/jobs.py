@@ -67,6 +67,7 @@ class Job:
     checkpoints: Dict[int, Checkpoint] = field(default_factory=dict)  # batched: states its entry will keep
     cuts: List[int] = field(default_factory=list)  # batched: where its prefill stops to checkpoint
     images: Optional[ProcessedImages] = None  # the prompt's images (loader/vision.py); served alone, uncached
+    copies: Optional[str] = None  # its drafts' source (on, off, only: round/copies.py); None: the server's
 
     def cancel(self) -> None:
         """Ask the worker to stop this job at the next round (or drop it if it has not started)."""

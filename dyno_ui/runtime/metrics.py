@@ -57,6 +57,18 @@ class ServerMetrics:
             "mlx:draft_acceptance_by_position",
             "Over all requests: drafts accepted at each 1-based position / rounds that drafted it",
             ["position"], registry=r)
+        # The same by draft source: "head" (the MTP head) or "copy" (copied from the context).
+        self.source_draft_tokens = Counter("mlx:draft_tokens_by_source", "Tokens drafted, by source", ["source"],
+                                           registry=r)
+        self.source_accepted_tokens = Counter("mlx:draft_tokens_accepted_by_source", "Drafted tokens accepted, by source",
+                                              ["source"], registry=r)
+        self.source_tokens_per_round = Gauge(
+            "mlx:spec_decode_tokens_per_round_by_source",
+            "Over all requests: 1 + accepted drafts / rounds, over the rounds each source drafted", ["source"], registry=r)
+        self.source_acceptance_by_position = Gauge(
+            "mlx:draft_acceptance_by_source_position",
+            "Over all requests: drafts accepted at each 1-based position / rounds that drafted it, by source",
+            ["source", "position"], registry=r)
         self.prompt_tokens = Counter("mlx:prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("mlx:prompt_tokens_cached", "Prompt tokens reused from a cached prefix",
                                      registry=r)
@@ -139,6 +151,9 @@ class ServerMetrics:
         for pos, n in enumerate(s.drafted_per_position, start=1):
             self.drafted_per_position.labels(position=str(pos)).inc(n)
         self.rounds.inc(s.rounds)
+        for source, c in s.sources.items():
+            self.source_draft_tokens.labels(source=source).inc(c.draft_tokens)
+            self.source_accepted_tokens.labels(source=source).inc(c.accepted_tokens)
         self.prompt_tokens.inc(outcome.prompt_tokens)
         self.cached_tokens.inc(outcome.cached_tokens)
         self.generation_tokens.inc(len(s.tokens))
@@ -159,6 +174,11 @@ class ServerMetrics:
             self.tokens_per_round.set(totals.tokens_per_round)
         for pos, rate in enumerate(totals.acceptance_by_position(), start=1):
             self.acceptance_by_position.labels(position=str(pos)).set(rate)
+        for source, c in totals.sources.items():
+            if c.tokens_per_round is not None:
+                self.source_tokens_per_round.labels(source=source).set(c.tokens_per_round)
+            for pos, rate in enumerate(c.acceptance_by_position(), start=1):
+                self.source_acceptance_by_position.labels(source=source, position=str(pos)).set(rate)
 
     def record_failure(self) -> None:
         """Count a request the engine could not complete."""

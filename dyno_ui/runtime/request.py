@@ -113,6 +113,7 @@ class ChatRequest:
     sampling: Sampling = Sampling()
     stop: Tuple[str, ...] = ()
     draft: Optional[bool] = None  # False: no drafting for this request; None or True: the server's
+    copies: Optional[str] = None  # drafts copied from the context: on, off or only; None: the server's
 
     @property
     def calls_allowed(self) -> bool:

@@ -172,6 +172,8 @@ def chat_job(lm: LoadedModel, prompt: List[int], params: SamplingParams, stops: 
 
 
 def completion_job(lm: LoadedModel, prompt: List[int], params: SamplingParams, stops: List[str], sink,
-                   draft: Optional[bool] = None) -> Job:
-    """A job for a raw prompt: no template, no reasoning split; `draft` False: no drafting."""
-    return Job(list(prompt), params, TextAssembler(lm.tokenizer, stops), sink, lm=lm, spec=draft_spec(draft))
+                   draft: Optional[bool] = None, copies: Optional[str] = None) -> Job:
+    """A job for a raw prompt: no template, no reasoning split; `draft` False: no drafting; `copies`:
+    its drafts' source (None: the server's)."""
+    return Job(list(prompt), params, TextAssembler(lm.tokenizer, stops), sink, lm=lm, spec=draft_spec(draft),
+               copies=copies)

@@ -24,6 +24,7 @@ buffer cache cleared at mlx-lm's cadence and once a replaced model is let go, an
 budgets shares of what the model leaves of the device's memory.
 """
 
+import dataclasses
 import gc
 from concurrent.futures import Future
 import logging
@@ -318,6 +319,8 @@ class EngineWorker:
         spec = job.spec or self.spec
         if spec.mode == "off" or self.lm.head is None:
             spec = SpecConfig("off", spec.draft_depth)
+        elif job.copies is not None:
+            spec = dataclasses.replace(spec, copies=job.copies)
         job.stats = GenerationStats(draft_depth=spec.draft_depth)
         split = self.lm.ranks is not None  # across mx.distributed ranks: rank 0's engine leads the others
         if split and job.images is not None:

@@ -23,6 +23,7 @@ from ..loader.vision import VisionInput
 from ..backend.memory import MLX_MEMORY, Memory
 from ..prompt_cache.store import PrefixCache, PrefixEntry, Resume, entry_from, own_rows
 from ..round.depth_policy import DepthPolicy, RoundTimer
+from ..round.copies import CopiesAndHead
 from ..round.drafter import Drafter
 from .prefill import PREFILL_STEP, Joiner, prefill_groups, sharing_waves
 from .speculator import BatchSpeculator, Leaving, RowEvents
@@ -49,6 +50,7 @@ class Request(NamedTuple):
     vision: Optional[VisionInput] = None  # a prompt's images (bypasses the prompt cache: keyed by tokens)
     resume: Optional[Resume] = None  # a prefix its caller already has, instead of the prompt cache's
     cuts: Sequence[int] = ()  # with no prompt cache: where its caller wants the recurrent state checkpointed
+    copies: Optional[str] = None  # its drafts' source (round/copies.py: on, off, only); None: the spec's
 
 
 class Life:
@@ -78,6 +80,7 @@ class Decoding:
         self.cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         self.keep_prompts = keep_prompts
         self.policy = policy or spec.policy or DepthPolicy(None, [], pinned=spec.draft_depth)
+        drafter = drafter if drafter is not None else CopiesAndHead(spec.copies)  # the head, and copies unless off
         self.batch = BatchSpeculator(lm, prefill_step, spec.draft_vocab, memory, self.cache is not None or keep_states,
                                      drafter, clear_per_rounds)
         self.timer = RoundTimer(self.policy.record)  # the policy's round times, start to start
@@ -130,7 +133,7 @@ class Decoding:
                 resume = self.cache.take(r.prompt, head_layers=len(self.lm.head.layers))
             cuts = self.cache.plan(len(r.prompt), r.boundaries, len(resume) if resume else 0)
         self.lives[r.row_id] = Life(r, len(resume) if resume else 0, keep)
-        return Joiner(r.row_id, r.prompt, r.params, resume, cuts, r.depth, r.details, r.rng_seed, r.vision)
+        return Joiner(r.row_id, r.prompt, r.params, resume, cuts, r.depth, r.details, r.rng_seed, r.vision, r.copies)
 
     def _join_group(self, group: List[Joiner]) -> Dict[Hashable, RowEvents]:
         try:

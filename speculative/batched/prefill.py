@@ -49,6 +49,7 @@ class Joiner(NamedTuple):
     details: bool = False  # its Rounds carry each draft's p, q and acceptance chance
     rng_seed: Optional[int] = None  # an unseeded request's draws from it (Row), else a random seed
     vision: Optional[VisionInput] = None  # a prompt's images: their embeddings and M-RoPE positions
+    copies: Optional[str] = None  # its drafts' source (round/copies.py: on, off, only); None: the drafter's
 
 
 class Prefilled(NamedTuple):

@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from ..rollback import GDNTape, restore, snapshot, tape_row
-from ..round.drafter import Drafter, Drafts, HeadDrafter, drafts_of, refusal
+from ..round.drafter import Drafter, Drafts, HeadDrafter, drafts_of, reach, refusal
 from ..round.rounds import Rounds
 from ..round.row import Row
 from ..config import SamplingParams
@@ -234,7 +234,7 @@ class BatchSpeculator(Rounds):
         rows = []
         for j in joiners:
             row = Row(j.params, self.lm.eos_token_ids, self.lm.vocab_size, j.depth, j.rng_seed)
-            row.id, row.prompt, row.details = j.row_id, list(j.prompt), j.details
+            row.id, row.prompt, row.details, row.copies = j.row_id, list(j.prompt), j.details, j.copies
             head = j.resume.head_cache if j.resume is not None else None
             row.head_shift = head[0].start if head and isinstance(head[0], ShiftedKVCache) else 0
             rows.append(row)
@@ -420,7 +420,7 @@ class BatchSpeculator(Rounds):
         """Ask the drafter for the drafts of the next round, at `depth` (each row at its own: depths),
         and start computing them."""
         start, keys, budgets = self.head_cache[0].size(), [r.key for r in self.rows], self.depths(depth)
-        drafts = drafts_of(self.drafter, self, budgets)
+        drafts = drafts_of(self.drafter, self, reach(self.drafter, self.rows, budgets))  # copies reach deeper
         mx.async_eval(drafts.tokens)
         return QueuedDrafts(budgets, drafts, start, keys)
 
@@ -506,13 +506,15 @@ class BatchSpeculator(Rounds):
         self.passes = [RowPass(out.tapes, out.hidden, a + 1, b, p.hidden[p.at : p.at + 1, p.kept - 1 : p.kept])
                        for b, (a, p) in enumerate(zip(out.accepted, self.passes))]
         events = self._emit(depths, [a + 1 for a in out.accepted], out.drafts, out.nxt, out.processed, out.confident,
-                            out.details)
+                            out.details, drafts.sources)
         self._queue_next(then)  # computes while the host hands these tokens out
         return events
 
     def _emit(self, depths: List[int], kept: List[int], drafts: List[List[int]], nxt: List[int], processed,
-              confident: Optional[List] = None, details: Optional[List] = None) -> Dict[Hashable, RowEvents]:
-        """Each row's Round (when it drafted) and tokens, cut at its EOS or max_tokens; finished rows leave."""
+              confident: Optional[List] = None, details: Optional[List] = None,
+              sources: Optional[List[str]] = None) -> Dict[Hashable, RowEvents]:
+        """Each row's Round (when it drafted) and tokens, cut at its EOS or max_tokens; finished rows leave.
+        `sources`: where row b's drafts came from (None: the head)."""
         out, staying = {}, []
         for b, (row_id, row) in enumerate(zip(self.ids, self.rows)):
             k = depths[b]
@@ -520,10 +522,11 @@ class BatchSpeculator(Rounds):
             tokens = accepted + [nxt[b]]
             scores = row.scored(processed[b], tokens)
             last = Provenance.PLAIN if k == 0 else Provenance.BONUS if len(accepted) == k else Provenance.CORRECTION
-            provenance = [Provenance.DRAFT] * len(accepted) + [last]
+            source = sources[b] if sources else "head"
+            provenance = [Provenance.COPY if source == "copy" else Provenance.DRAFT] * len(accepted) + [last]
             flags = tuple(confident[b]) if confident else ()
             why = details[b] if details else None
-            events, finish = ([Round(k, len(accepted), tuple(drafts[b][:k]), why, flags)] if k else []), None
+            events, finish = ([Round(k, len(accepted), tuple(drafts[b][:k]), why, flags, source)] if k else []), None
             sent = 0
             for t, p, s in zip(tokens, provenance, scores):
                 row.generated.append(t)

@@ -36,7 +36,7 @@ class HeadHealth:
 
     def observe(self, event) -> bool:
         """Count one round's confident drafts; True when this round settles the verdict."""
-        if not self.checking or not event.confident:
+        if not self.checking or not event.confident or event.source != "head":  # copies say nothing of the head
             return False
         judged = min(event.accepted + 1, event.drafted)  # drafts 0..accepted: the first rejection included
         flags = event.confident[:judged]

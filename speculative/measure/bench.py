@@ -82,6 +82,8 @@ class SettingResult:
     rounds: int = 0  # the counts behind both figures, to pool records (GenerationStats.from_counts)
     accepted_per_position: List[int] = field(default_factory=list)
     drafted_per_position: List[int] = field(default_factory=list)
+    copies: str = "off"  # where drafts came from: the head alone, copies and the head, copies alone
+    by_source: Dict[str, dict] = field(default_factory=dict)  # GenerationStats.by_source_json over every pair
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -92,18 +94,23 @@ class SettingResult:
 
 def paired_benchmark(lm: LoadedModel, prompt: Sequence[int], params: SamplingParams, depths: Sequence[int],
                      pairs: int = 5, with_off: bool = True, auto_depth: Optional[int] = None,
-                     draft_vocab: Optional[int] = None, drafter=None) -> Dict[str, object]:
+                     draft_vocab: Optional[int] = None, drafter=None,
+                     copies: Sequence[str] = ("off",)) -> Dict[str, object]:
     """Alternate plain mlx-lm with each Dyno setting, `pairs` cycles after one warm-up cycle.
 
     `auto_depth`: also run the depth `--draft-depth auto` resolved to, as its own setting "auto".
     `drafter`: every Dyno run's (engine.generate's seam; a tool's replayed drafts).
+    `copies`: each depth with each of these draft sources (config.COPY_SOURCES): "off" is named
+    mtp@k, "on" mtp@k+copies, "only" copies@k.
     """
-    settings = ([("off", SpecConfig("off"))] if with_off else []) + [
-        (f"mtp@{k}", SpecConfig("mtp", k, draft_vocab)) for k in depths]
+    settings = [("off", SpecConfig("off"))] if with_off else []
+    for k in depths:
+        settings += [(setting_name(k, c), SpecConfig("mtp", k, draft_vocab, copies=c)) for c in copies]
     if auto_depth is not None:
-        settings.append((f"auto(={auto_depth})", SpecConfig("mtp", auto_depth, draft_vocab)))
+        settings += [(setting_name(auto_depth, c, f"auto(={auto_depth})"),
+                      SpecConfig("mtp", auto_depth, draft_vocab, copies=c)) for c in copies]
     results = {name: SettingResult(name, spec.draft_depth if spec.mode == "mtp" else None, [], [], [],
-                                   True if params.greedy else None) for name, spec in settings}
+                                   True if params.greedy else None, copies=spec.copies) for name, spec in settings}
     base_tps, base_ttft = [], []
     run_mlx_lm(lm, prompt, params)  # warm-up: compile, allocate, fill caches
     for name, spec in settings:
@@ -127,8 +134,15 @@ def paired_benchmark(lm: LoadedModel, prompt: Sequence[int], params: SamplingPar
         r.drafted, r.accepted, r.rounds = t.draft_tokens, t.accepted_tokens, t.rounds
         r.accepted_per_position, r.drafted_per_position = t.accepted_per_position, t.drafted_per_position
         r.tokens_per_round, r.acceptance_by_position = t.tokens_per_round, t.acceptance_by_position()
+        r.by_source = t.by_source_json()
     return {"plain": {"decode_tps": summarize(base_tps), "ttft": summarize(base_ttft)},
             "settings": {name: r.as_dict() for name, r in results.items()}}
+
+
+def setting_name(depth: int, copies: str, head: Optional[str] = None) -> str:
+    """A bench setting's name: `head` (default mtp@k) for the head alone, +copies beside it, copies@k alone."""
+    head = head or f"mtp@{depth}"
+    return {"off": head, "on": f"{head}+copies", "only": f"copies@{depth}"}[copies]
 
 
 TUNE_DEPTHS = (1, 2, 3, 4)

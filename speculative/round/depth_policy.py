@@ -306,7 +306,7 @@ class DepthPolicy:
     def observe(self, events: Iterable) -> None:
         """Fold one round's events (any mix; its Round events count): which positions each row
         drafted and which the trunk accepted."""
-        rounds = [e for e in events if isinstance(e, Round) and e.drafted]
+        rounds = [e for e in events if isinstance(e, Round) and e.drafted and e.source == "head"]  # the head's acceptance
         if not rounds:
             return
         self.accepted = [a * FORGET for a in self.accepted]

@@ -20,6 +20,7 @@ class Drafts(NamedTuple):
     tokens: mx.array  # [B, k] with k >= max(lengths); columns past a row's length are never verified for it
     probs: List[Optional[mx.array]]  # row b's [k, V] draft distribution q, None for a greedy row
     lengths: List[int]
+    sources: Optional[List[str]] = None  # row b's drafts came from "head" or "copy" (None: all the head's)
 
 
 class Drafter(Protocol):
@@ -32,6 +33,13 @@ class Drafter(Protocol):
         A drafter that draws draws with the row's own key (Row.split, Row.pick), which the driver
         restores when it takes queued drafts back, so a join or a leave never changes a token."""
         ...
+
+
+def reach(drafter: Drafter, rows, budgets: Sequence[int]) -> List[int]:
+    """Each row's most drafts this round: the depth policy's `budgets`, or what the drafter's optional
+    `reach(rows, budgets)` allows instead (copies run deeper than the head; round/copies.py)."""
+    reaches = getattr(drafter, "reach", None)
+    return list(budgets) if reaches is None else list(reaches(rows, budgets))
 
 
 def refusal(drafter: Drafter, params) -> Optional[str]:
@@ -65,7 +73,7 @@ def drafts_of(drafter: Drafter, rounds, budgets: Sequence[int]) -> Drafts:
 def one_hot(tokens: Sequence[int], vocab: int) -> mx.array:
     """[k, V] draft distributions of tokens proposed with certainty (the lossless rule then accepts
     token x with p(x), else draws from p with x removed)."""
-    return (mx.arange(vocab)[None] == mx.array(list(tokens))[:, None]).astype(mx.float32)
+    return (mx.arange(vocab)[None] == mx.array(list(tokens), dtype=mx.int32)[:, None]).astype(mx.float32)
 
 
 def stacked(rows: List[List[int]], width: int, pad: int = 0) -> mx.array:

@@ -25,7 +25,7 @@ def chat_request(req: api.ChatCompletionRequest) -> ChatRequest:
         tools=tuple(t.tool() for t in req.tools or ()), tool_choice=req.choice(),
         parallel_tool_calls=req.parallel_tool_calls is not False, response_format=format_spec(req.response_format),
         template_kwargs=req.chat_template_kwargs or {}, thinking_budget=req.thinking_budget(),
-        sampling=req.sampling(), stop=tuple(req.stop_strings()), draft=req.draft)
+        sampling=req.sampling(), stop=tuple(req.stop_strings()), draft=req.draft, copies=req.copies)
 
 
 def chat_job(served: ServedModel, req: api.ChatCompletionRequest, sink) -> Tuple[str, Job]:
@@ -71,7 +71,8 @@ def completion_job(served: ServedModel, req: api.CompletionRequest, sink) -> Tup
     elif any(not 0 <= t < lm.vocab_size for t in prompt):
         raise ApiError(400, "prompt: token ids must be in the vocabulary", param="prompt")
     params = runtime.checked_sampling(lm, prompt, "prompt", req.sampling(), served.default_max_tokens)
-    return model_id, runtime.completion_job(lm, list(prompt), params, req.stop_strings(), sink, req.draft)
+    return model_id, runtime.completion_job(lm, list(prompt), params, req.stop_strings(), sink, req.draft,
+                                                   req.copies)
 
 
 def _usage(done: Finished) -> api.Usage:

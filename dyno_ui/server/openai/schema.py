@@ -107,6 +107,7 @@ class SamplingFields(_Request):
     repetition_penalty: Optional[float] = Field(None, gt=0)
     repetition_context_size: int = Field(PENALTY_CONTEXT, ge=1)
     draft: Optional[StrictBool] = None  # false: this request decodes without drafts (docs/server.md)
+    copies: Optional[Literal["on", "off", "only"]] = None  # drafts copied from the context; None: the server's
 
     def stop_strings(self) -> List[str]:
         """`stop` as a list without empty strings."""
