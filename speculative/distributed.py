@@ -323,7 +323,8 @@ class Order:
     def encode(self) -> bytes:
         try:
             return json.dumps({"prompt": list(self.prompt), "params": dataclasses.asdict(self.params),
-                               "spec": dataclasses.asdict(self.spec), "prefill_step": self.prefill_step,
+                               "spec": dataclasses.asdict(dataclasses.replace(self.spec, policy=None)),  # each rank's own
+                               "prefill_step": self.prefill_step,
                                "kind": self.kind, "rng_seed": self.rng_seed}).encode()
         except TypeError as e:  # a setting that is not plain data cannot travel to the other ranks
             raise DynoError(f"this request cannot be shared across ranks: {one_line(e)}") from None

@@ -23,7 +23,7 @@ SUMMARY = re.compile(r"^MTP: (\d+) tokens in (\d+) rounds \((\d+\.\d\d) per roun
 def test_json_output_is_plain_greedy(tiny_dir, tiny_lm):
     prompt = "class Stack:\n    def push(self, item):\n"
     r = dyno("generate", "--model", str(tiny_dir()), "--prompt", prompt, "--max-tokens", "60",
-             "--speculative", "mtp", "--draft-depth", "3", "--json")
+             "--speculative", "mtp", "--draft-depth", "3", "--copies", "off", "--json")  # every round 3 head drafts
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     lm = tiny_lm()

@@ -160,7 +160,7 @@ def test_provenance_differs_in_more_than_hue_and_the_switches_take_the_keyboard(
     styles = page.evaluate("""[...document.querySelectorAll('.dyno-legend .tok')].map(e => {
         const s = getComputedStyle(e); return s.textDecorationLine + ' ' + s.textDecorationStyle; })""")
     kinds = [k for k in page.locator(".dyno-legend .tok").all_inner_texts()]
-    assert len(kinds) == 5 and len(set(styles)) == 5, list(zip(kinds, styles))  # one line style per kind
+    assert len(kinds) == 6 and len(set(styles)) == 6, list(zip(kinds, styles))  # one line style per kind (copies too)
     box = page.locator("#show-rejected input")
     was = box.is_checked()
     box.focus()
