@@ -107,7 +107,9 @@ def beside_a_seeded_row(lm, prompt, runs):
     return samples, drafted, accepted
 
 
-@pytest.mark.parametrize("width", [1, 2])
+# Width 2 only in the suite: each width's chi-square takes minutes here, and the suite must stay under
+# 15 (width 1 ran and passed when this test was written; `width_one` stays for a run by hand).
+@pytest.mark.parametrize("width", [2])
 def test_copied_drafts_follow_the_model(tiny_lm, width):
     lm = tiny_lm("tied-gqa2")
     prompt = copy_prompt(lm)
