@@ -21,12 +21,12 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from speculative.batched import BatchSpeculator, Joiner, Leaving, RowEvents
+from speculative.batched.decoding import prompt_entry
 from speculative.batched.prefill import prefill_groups, sharing_waves
 from speculative.events import Round, Token
 from speculative.heads.health import gives_up, watch
 from speculative.round.copies import CopiesAndHead
 from speculative.round.depth_policy import RoundTimer
-from speculative.prompt_cache.store import entry_from, own_rows
 from speculative.stats import GenerationStats
 
 from .admission import Admission, RowMemory
@@ -257,20 +257,7 @@ class DraftingBatch:
         if cache is None or not cache.enabled:
             return
         try:
-            n = len(job.prompt)
-            trunk = [own_rows(c.extract(b)) for c in self.batch.trunk_cache]
-            entry = entry_from(job.prompt, trunk, row.checkpoints)
-            # The head's rows 0..n-1 (its prefill ended with the first token's row): kept one short,
-            # with the trunk's last hidden, so that a later request drafts as this one did. A row
-            # resumed without head rows (a shifted head) has fewer; its entry stays headless.
-            head = [c.extract(b) for c in self.batch.head_cache]
-            if all(h.offset == n for h in head):
-                for h in head:
-                    h.trim(1)
-                entry.head_cache = [own_rows(h) for h in head]
-                joined = self.batch.passes[b]  # its prefill's pass: the trunk's hidden at the prompt's end
-                entry.last_hidden = joined.hidden[joined.at : joined.at + 1]
-            cache.put(entry)
+            cache.put(prompt_entry(self.batch, b, job.prompt))
         except Exception:  # the answer matters more than keeping its state
             log.exception("cannot keep a batched request's prompt state")
 

@@ -37,6 +37,23 @@ def drafts(lm: LoadedModel, spec: SpecConfig) -> bool:
     return spec.mode != "off" and lm.head is not None and not gives_up(lm, spec.mode)
 
 
+def prompt_entry(batch: BatchSpeculator, b: int, prompt: List[int]) -> PrefixEntry:
+    """Row b's state after its prompt (it just joined `batch`), as a prompt-cache entry."""
+    row, n = batch.rows[b], len(prompt)
+    entry = entry_from(prompt, [own_rows(c.extract(b)) for c in batch.trunk_cache], row.checkpoints)
+    # The head's rows 0..n-1 (its prefill ended with the first token's row): kept one short, with the
+    # trunk's last hidden, so that a later request drafts as this one did. A row resumed without head
+    # rows (a shifted head) has fewer; its entry stays headless.
+    head = [c.extract(b) for c in batch.head_cache]
+    if all(h.offset == n for h in head):
+        for h in head:
+            h.trim(1)
+        entry.head_cache = [own_rows(h) for h in head]
+        joined = batch.passes[b]  # its prefill's pass: the trunk's hidden at the prompt's end
+        entry.last_hidden = joined.hidden[joined.at : joined.at + 1]
+    return entry
+
+
 class Request(NamedTuple):
     """A row to decode: its prompt and sampling, where its messages start, and its own settings."""
 
@@ -155,19 +172,7 @@ class Decoding:
     def _keep_prompt(self, b: int, prompt: List[int]) -> None:
         """Keep the state after the prompt (row b, just joined) in the prompt cache, for later requests."""
         try:
-            row, n = self.batch.rows[b], len(prompt)
-            entry = entry_from(prompt, [own_rows(c.extract(b)) for c in self.batch.trunk_cache], row.checkpoints)
-            # The head's rows 0..n-1 (its prefill ended with the first token's row): kept one short,
-            # with the trunk's last hidden, so that a later request drafts as this one did. A row
-            # resumed without head rows (a shifted head) has fewer; its entry stays headless.
-            head = [c.extract(b) for c in self.batch.head_cache]
-            if all(h.offset == n for h in head):
-                for h in head:
-                    h.trim(1)
-                entry.head_cache = [own_rows(h) for h in head]
-                joined = self.batch.passes[b]  # its prefill's pass: the trunk's hidden at the prompt's end
-                entry.last_hidden = joined.hidden[joined.at : joined.at + 1]
-            self.cache.put(entry)
+            self.cache.put(prompt_entry(self.batch, b, prompt))
         except Exception:  # the answer matters more than keeping its state
             log.exception("cannot keep a request's prompt state")
 
