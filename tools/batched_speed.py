@@ -8,7 +8,7 @@
 
 `--shape` builds a random checkpoint at a real model's shape (as tools/scale_bench.py does; removed
 at the end) and replays each row's drafts to an acceptance profile against that row's plain greedy
-tokens (speculative/measure/replay.py, ReplayedBatch); `--draft-vocab auto` drafts over auto's
+tokens (speculative/measure/replay.py, replayed_batch); `--draft-vocab auto` drafts over auto's
 smallest draft vocabulary (scale.py's draft_subset, filled with the lowest ids after the rows'
 reference tokens). Each row's prompt is `--context` seeded random tokens. `--policy` adds the default
 server's automatic depth: its batched rounds timed at the shape first (as a first `dyno serve` start
@@ -47,7 +47,7 @@ from speculative.measure import shapes  # noqa: E402
 from speculative.measure.blas import detect  # noqa: E402
 from speculative.measure.random_checkpoint import built, scaled_down  # noqa: E402
 from speculative.measure.batch_cost import measure_batch_costs  # noqa: E402
-from speculative.measure.replay import ReplayedBatch, parse_profile  # noqa: E402
+from speculative.measure.replay import replayed_batch, parse_profile  # noqa: E402
 from speculative.round.drafter import HeadDrafter  # noqa: E402
 from speculative.measure.batch_cost import TIMED_DEPTH  # noqa: E402
 from speculative.round.depth_policy import DepthPolicy, RoundTimer  # noqa: E402
@@ -173,7 +173,7 @@ def replayed(lm, prompts, n, depth, profile, draft_vocab):
     if draft_vocab == "auto":
         floor = draft_vocab_floor(lm.target.args.vocab_size)
         head = draft_head(lm, floor, [t for ref in references.values() for t in ref])
-    return (lambda lm: ReplayedBatch(lm, references, profile, draft_head=head)), head
+    return (lambda lm: replayed_batch(lm, references, profile, draft_head=head)), head
 
 
 def run(args, lm, label, profile=None) -> None:

@@ -1,16 +1,12 @@
-"""Batched drafting on the engine thread: concurrent requests decoded together by
-speculative.batched.BatchSpeculator, every row drafting with the MTP head.
+"""Batched drafting on the engine thread: concurrent requests decoded together as rows of one
+speculative.batched.Decoding, the engine's one driver, which owns each row from join to Done (prompt
+cache, prefill, each round's depth, settling, the head's health).
 
-Rows join between rounds while the batch has room (the decode concurrency) and the memory budget
-allows (admission.py); those taken together are prefilled together, each from the prompt cache's
-longest prefix, and the state after each prompt is kept there for later requests. Rows leave at EOS, max_tokens, a stop string, a
-cancel, or an error of their own (its processors or its output raising): that row fails, the others go
-on. A row that finishes (not one that fails) also keeps its final state, settled as the serial
-engine's to the tokens its client received but the last, so that a chat's next turn reuses the answer.
-Each round's depth is the worker's DepthPolicy's for the rows in it (pinned by --draft-depth N, else
-chosen by measured cost, 0 included), except for a row whose request sets its own (pinned_depth),
-which keeps that; the policy learns acceptance and round times from the rounds it sees. The rounds also feed the head's health (speculative/heads/health.py); a head found
-collapsed under --speculative auto gets plain rounds only from then on.
+This loop keeps admission and delivery. Rows join between rounds while the batch has room (the
+decode concurrency) and the memory budget allows (admission.py); those taken together join together.
+Rows leave at EOS, max_tokens, a stop string, a cancel, or an error of their own (its processors or
+its output raising): that row fails, the others go on. A row's depth is the worker's DepthPolicy's,
+except for a request that sets its own (pinned_depth), which its row keeps.
 """
 
 import logging
@@ -18,15 +14,9 @@ import queue
 import time
 from typing import Dict, Optional
 
-import mlx.core as mx
-
-from speculative.batched import BatchSpeculator, Joiner, Leaving, RowEvents
-from speculative.batched.decoding import prompt_entry
-from speculative.batched.prefill import prefill_groups, sharing_waves
-from speculative.events import Round, Token
-from speculative.heads.health import gives_up, watch
-from speculative.round.copies import CopiesAndHead
-from speculative.round.depth_policy import RoundTimer
+from speculative.batched.decoding import Decoding, Request
+from speculative.batched.speculator import RowEvents
+from speculative.events import Token
 from speculative.stats import GenerationStats
 
 from .admission import Admission, RowMemory
@@ -79,20 +69,17 @@ class DraftingBatch:
 
     def __init__(self, worker):
         self.worker = worker
-        lm = worker.lm
-        self.batch = self._new_batch()
+        self.decoding = self._new_decoding()
         self.active: Dict[int, object] = worker.running  # jobs in the batch, by row id
         self.bytes: Dict[int, int] = {}  # each row's estimated memory
+        lm = worker.lm
         self.admission = Admission(RowMemory.of(lm.config, len(lm.head.layers)), worker.batch_memory())
         self.held = None  # the next job, waiting for memory to free
-        self.timer = RoundTimer(worker.policy.record)  # the policy's round times, start to start
         self.next_row = 0
 
-    def _new_batch(self) -> BatchSpeculator:
-        cache = self.worker.prefix_cache  # rows that leave hand their states over only to keep them there
-        return BatchSpeculator(self.worker.lm, draft_vocab=self.worker.spec.draft_vocab, memory=self.worker.memory,
-                               keep_states=cache is not None and cache.enabled,
-                               drafter=CopiesAndHead(self.worker.spec.copies))  # a request may ask for its own
+    def _new_decoding(self) -> Decoding:
+        w = self.worker
+        return Decoding(w.lm, w.spec, w.prefix_cache, policy=w.policy, memory=w.memory)
 
     def serve(self) -> None:
         w = self.worker
@@ -104,34 +91,19 @@ class DraftingBatch:
                 if w.swap is not None:  # a model swap waits, and no row is in flight
                     break
                 continue
-            width = len(self.batch)
-            if gives_up(w.lm, w.spec.mode):  # a collapsed head under auto: plain rounds from now on
-                depth = then = 0
-            else:
-                depth, then = w.policy.depth_for(width), w.policy.peek(width)
-            # A row pinned deeper than the policy's depth makes the round that deep: timed as such.
-            ran = self.batch.deepest(depth)
             try:
-                self.timer.start(width, ran, self.batch.deepest(then))
-                start = time.perf_counter()
-                rounds = self.batch.step(depth, then)
-                seconds = time.perf_counter() - start
+                rounds = self.decoding.step()
             except Exception as e:  # not attributable to one request: fail the batch, keep serving
-                self.timer.skip()
                 log.exception("batched drafting failed")
                 for job in self.active.values():
                     w.fail(job, failure(e))
                 self.active.clear()
                 self.bytes.clear()
-                self.batch = self._new_batch()
+                self.decoding = self._new_decoding()
                 w.metrics.set_width(0)
                 continue
-            w.metrics.record_round(width, ran, seconds)
-            w.policy.observe(e for out in rounds.values() for e in out.events)
-            for out in rounds.values():
-                for event in out.events:
-                    if isinstance(event, Round):
-                        watch(w.lm, event, w.spec.mode)
+            width = self.decoding.last_round[0]
+            w.metrics.record_round(*self.decoding.last_round)
             for row, out in rounds.items():
                 self.active[row].stats.add_width(width)
                 self._deliver(row, out)
@@ -148,15 +120,15 @@ class DraftingBatch:
 
     def _admit(self) -> bool:
         """Move queued jobs into the batch while there is room (waiting for one when idle), those
-        taken together prefilled together; False once closed."""
+        taken together joining together; False once closed."""
         w = self.worker
-        joining = []  # (job, its row's estimated bytes), prefilled together below
+        joining = []  # (job, its row's estimated bytes), joining together below
         while len(self.active) + len(joining) < w.concurrency and w.swap is None:  # a swap waiting: no row joins
             job = self.held
             if job is None:
                 idle = not self.active and not joining
                 if idle:  # an idle wait is no round's time
-                    self.timer.skip()
+                    self.decoding.idle()
                 try:
                     job = w.jobs.get(block=idle)
                 except queue.Empty:
@@ -183,83 +155,39 @@ class DraftingBatch:
         return True
 
     def _join(self, joining) -> None:
-        """Prefill the jobs' prompts, each after its cached prefix, and add their rows, sending each its
-        first token: in waves (a prompt sharing a long prefix with another's waits for that one's
-        prompt state, kept in the prompt cache), each wave in groups of similar lengths prefilled
-        together, the shorter first (speculative/batched/prefill.py). A job that cannot join fails alone."""
+        """The jobs join the batch (Decoding.join: each from the prompt cache's longest prefix, in waves
+        and prefill groups); each group's first tokens go out before the next group prefills. A job that
+        cannot join fails alone."""
         if not joining:
             return
-        self.timer.skip()  # the prefill is no round's time
-        cache = self.worker.prefix_cache
-        waves = (sharing_waves([job.prompt for job, _ in joining]) if cache is not None and cache.enabled
-                 else [list(range(len(joining)))])
-        for wave in waves:
-            joiners, jobs = self._joiners([joining[i] for i in wave])
-            for group in prefill_groups(joiners):  # each group's first tokens go out before the next prefills
-                self._add(group, jobs)
-
-    def _joiners(self, joining):
-        """The jobs as Joiners, each resuming from the prompt cache's longest prefix: (joiners, row id ->
-        (job, its bytes)); a job whose prefix cannot be taken fails here."""
-        w = self.worker
-        joiners, jobs = [], {}
+        w, jobs, requests = self.worker, {}, []
         for job, nbytes in joining:
             job.stats = GenerationStats(draft_depth=w.spec.draft_depth)
-            job.started_at = time.perf_counter()
-            row = self.next_row
-            self.next_row += 1
-            try:
-                resume = w.prefix_cache.take(job.prompt, head_layers=len(w.lm.head.layers))
-                at = len(resume) if resume else 0
-                cuts = w.prefix_cache.plan(len(job.prompt), message_starts(job.prompt, w.marker), at)
-            except Exception as e:  # this request alone is refused; the batch goes on
-                log.exception("cannot add a request to the batch")
-                w.fail(job, failure(e))
-                continue
-            job.reused = at
-            joiners.append(Joiner(row, job.prompt, job.params, resume, cuts, depth=pinned_depth(job),
-                                  details=job.spec is not None and job.spec.details, copies=job.copies))
+            row, self.next_row = self.next_row, self.next_row + 1
             jobs[row] = job, nbytes
-        return joiners, jobs
+            requests.append(Request(row, job.prompt, job.params, message_starts(job.prompt, w.marker),
+                                    depth=pinned_depth(job), details=job.spec is not None and job.spec.details,
+                                    copies=job.copies))
+        for outs in self.decoding.join(requests):
+            self._joined(outs, jobs)
 
-    def _add(self, joiners, jobs) -> None:
-        """Prefill the joiners together and add their rows; keep each prompt's state, then send each
-        its first token."""
+    def _joined(self, outs: Dict[int, RowEvents], jobs) -> None:
+        """Rows that just joined (or failed to): guard their processors, then send each its first token."""
         w = self.worker
-        try:
-            outs = self.batch.join_all(joiners)  # (a shared prefill that fails is retried row by row there)
-        except Exception as e:  # refused before any prefill: these requests fail, the batch goes on
-            log.exception("cannot add requests to the batch")
-            for j in joiners:
-                w.fail(jobs[j.row_id][0], failure(e))
-            return
-        for j in joiners:
-            job, nbytes = jobs[j.row_id]
-            if outs[j.row_id].error is not None:  # its processors raised at its first token, or its prefill failed
-                w.fail(job, failure(outs[j.row_id].error))
+        for row, out in outs.items():
+            job, nbytes = jobs[row]
+            if out.error is not None:  # its prefix, its prefill or its processors at its first token failed
+                w.fail(job, failure(out.error))
                 continue
-            self.active[j.row_id], self.bytes[j.row_id] = job, nbytes
-            if j.row_id in self.batch:
-                b = self.batch.ids.index(j.row_id)
-                row = self.batch.rows[b]
-                if row.processors:
-                    row.processors = GuardedProcessors(row.processors, job)
-                self._keep_prompt(job, b, row)
-        w.metrics.set_width(len(self.batch))
-        for j in joiners:  # (after every joiner's prompt state is kept: a row ending here leaves the batch)
-            if j.row_id in self.active:
-                self._deliver(j.row_id, outs[j.row_id])
-
-    def _keep_prompt(self, job, b: int, row) -> None:
-        """Keep the state after the prompt (row b of the batch, just joined) in the prompt cache, for
-        later requests."""
-        cache = self.worker.prefix_cache
-        if cache is None or not cache.enabled:
-            return
-        try:
-            cache.put(prompt_entry(self.batch, b, job.prompt))
-        except Exception:  # the answer matters more than keeping its state
-            log.exception("cannot keep a batched request's prompt state")
+            self.active[row], self.bytes[row] = job, nbytes
+            if row in self.decoding.batch:
+                state = self.decoding.row(row)
+                if state.processors:
+                    state.processors = GuardedProcessors(state.processors, job)
+        w.metrics.set_width(len(self.decoding))
+        for row, out in outs.items():  # (after every row's prompt state is kept: a row ending here leaves)
+            if row in self.active:
+                self._deliver(row, out)
 
     # ---- rows emitting and leaving ----
 
@@ -287,40 +215,31 @@ class DraftingBatch:
             return
         reason = reason or out.finish
         if reason is not None:
-            self._end(row, reason, out.left)
+            self._end(row, reason)
 
-    def _leave(self, row: int) -> Optional[Leaving]:
-        left = self.batch.leave(row) if row in self.batch else None
-        self.active.pop(row, None)
+    def _leave(self, row: int):
+        job = self.active.pop(row)
         self.bytes.pop(row, None)
-        self.worker.metrics.set_width(len(self.batch))
-        return left
+        self.worker.metrics.set_width(len(self.decoding))
+        return job
 
-    def _end(self, row: int, reason: str, left=None) -> None:
-        """Finish a row (`left`: its state, when it already left the batch in its round or never joined)."""
-        w, job = self.worker, self.active[row]
-        self._keep_final(job, self._leave(row) or left)
+    def _end(self, row: int, reason: str) -> None:
+        """Finish a row: the engine keeps its state settled to the tokens its client received (so the
+        next turn resumes after this answer) and gives its Done."""
+        w = self.worker
+        job = self.active[row]
+        done = self.decoding.finish(row, len(job.stats.tokens), reason)  # (each token delivered was counted first)
+        self._leave(row)
         if reason == "cancelled" and not job.cancelled.is_set():  # cut by shutdown, not by its client
             w.fail(job, STOPPED, 503)
             return
         try:
-            w.finish_batched(job, reason)
+            job.stats.add(done)
+            w.finish(job, reason)
         except Exception as e:
             log.exception("a batched request failed")
             w.fail(job, failure(e))
 
-    def _keep_final(self, job, left) -> None:
-        """Keep the row's state after the tokens its client received but the last (the pending one,
-        as the serial engine's `settle`), so that the next turn resumes after this answer."""
-        cache = self.worker.prefix_cache
-        if left is None or cache is None or not cache.enabled:
-            return
-        try:
-            cache.put(left.settle(len(job.stats.tokens)))  # (each token delivered was counted first)
-        except Exception:  # the answer matters more than keeping its state
-            log.exception("cannot keep a batched request's final state")
-
     def fail(self, row: int, error: BaseException) -> None:
-        job = self.active[row]
-        self._leave(row)
-        self.worker.fail(job, failure(error))
+        self.decoding.drop(row)
+        self.worker.fail(self._leave(row), failure(error))

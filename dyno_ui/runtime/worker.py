@@ -65,7 +65,7 @@ class EngineWorker:
     """Owns the model on its own thread and serves submitted jobs through the loop its model takes.
 
     What a loop drives a job with is public: settled_in_queue and stale (skip a job), on_token and
-    until (its tokens and stops), finish_batched and fail (its end), run_alone; and what it watches:
+    until (its tokens and stops), finish, finish_batched and fail (its end), run_alone; and what it watches:
     the `closing` event, and `swap` (a model swap waiting: finish the rows in flight, take no more)."""
 
     def __init__(self, load: Callable[[], Tuple[LoadedModel, SpecConfig]], decode_concurrency: int = 1,
@@ -278,7 +278,7 @@ class EngineWorker:
                 item.run()
             return True
         if item.cancelled.is_set():
-            self._finish(item, "cancelled")
+            self.finish(item, "cancelled")
             return True
         return False
 
@@ -354,7 +354,7 @@ class EngineWorker:
         if reason == "cancelled" and self.closing.is_set() and not job.cancelled.is_set():
             self.fail(job, STOPPED, 503)  # cut by shutdown, not by its client: say so, not a finish
         else:
-            self._finish(job, reason)
+            self.finish(job, reason)
 
     def until(self, job: Job) -> Optional[str]:
         """Why the engine should end `job` after its latest token: a stop string, a cancel (its
@@ -382,7 +382,7 @@ class EngineWorker:
         for piece in pieces:  # TextDelta and ToolCallDelta, from the job's TextAssembler
             job.send(piece)
 
-    def _finish(self, job: Job, reason: str) -> None:
+    def finish(self, job: Job, reason: str) -> None:
         """Flush held-back text, log the request's line, count it, and tell the handler.
 
         Counting comes after the last step that can raise, so a request is counted once: finished
@@ -419,8 +419,9 @@ class EngineWorker:
     # ---- what every loop does with a job's end ----
 
     def finish_batched(self, job: Job, reason: str) -> None:
+        """A plain batched row's end (the drafting loop's rows get their Done from the engine)."""
         now = time.perf_counter()
         first = job.first_token_at or now
         job.stats.add(Done(reason, len(job.prompt), len(job.stats.tokens), first - job.started_at, now - first,
                            job.reused))
-        self._finish(job, reason)
+        self.finish(job, reason)

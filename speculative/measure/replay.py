@@ -206,10 +206,8 @@ def replayed_drafter(lm, reference: Sequence[int], profile: Profile, seed: int =
     return ReplayedDrafter({None: reference}, profile, lm.vocab_size, seed, draft_head, row_seeds=False)
 
 
-class ReplayedBatch(BatchSpeculator):
-    """A BatchSpeculator drafting by a ReplayedDrafter, each row against `references[row_id]` and its own
+def replayed_batch(lm, references: Dict[Hashable, Sequence[int]], profile: Profile, seed: int = 0,
+                   draft_head=None) -> BatchSpeculator:
+    """The one driver drafting by a ReplayedDrafter, each row against `references[row_id]` and its own
     seed; the draft step over `draft_head`'s rows when given."""
-
-    def __init__(self, lm, references: Dict[Hashable, Sequence[int]], profile: Profile, seed: int = 0,
-                 draft_head=None):
-        super().__init__(lm, drafter=ReplayedDrafter(references, profile, lm.vocab_size, seed, draft_head))
+    return BatchSpeculator(lm, drafter=ReplayedDrafter(references, profile, lm.vocab_size, seed, draft_head))

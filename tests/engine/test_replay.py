@@ -68,13 +68,13 @@ def test_a_replayed_batch_is_exact_and_follows_the_profile_on_every_row(tiny_lm)
     """Three rows, each scripted against its own plain greedy tokens: every row's text is its reference,
     and the batch's rounds accept at the profile's rates."""
     from speculative.events import Round, Token
-    from speculative.measure.replay import ReplayedBatch
+    from speculative.measure.replay import replayed_batch
 
     lm = tiny_lm("tied-gqa2")
     n, depth, profile = 120, 3, (0.9, 0.7, 0.5)
     prompts = {i: PROMPT[i:] + [i + 3] for i in range(3)}
     references = {i: run_mlx_lm(lm, p, SamplingParams(max_tokens=n + depth)).tokens for i, p in prompts.items()}
-    batch = ReplayedBatch(lm, references, profile, seed=1)
+    batch = replayed_batch(lm, references, profile, seed=1)
     got = {i: [e.id for e in batch.join(i, p, SamplingParams(max_tokens=n)).events] for i, p in prompts.items()}
     drafted, accepted = [0] * depth, [0] * depth
     while batch:
