@@ -6,7 +6,7 @@ rollback needs (see cache.GDNTape); mlx-lm's own forward keeps only the final re
 """
 
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -198,6 +198,14 @@ class MRoPE:
         inside = mx.take(self.prompt, mx.minimum(idx, n - 1), axis=1)  # [3, B, length]
         return mx.where(idx < n, inside, idx + self.delta).astype(mx.int32)
 
+    def beside(self, ropes: Sequence[Optional["MRoPE"]]) -> "MRoPE":
+        """The positions of a batch whose rows' own are `ropes` (this one among them; None: a text row)."""
+        return self if len(ropes) == 1 else RowsRoPE(ropes)
+
+    def rotate(self, attn, queries: mx.array, keys: mx.array, offset) -> Tuple[mx.array, mx.array]:
+        """Queries and keys [B, heads, L, D] of the cache rows from `offset` on, turned to their positions."""
+        return self.rotary.apply_rotary(queries, keys, self.positions(offset, queries.shape[2]), unsqueeze_dim=1)
+
     def attention(self, attn, x: mx.array, mask, cache) -> mx.array:
         """mlx-lm's Qwen3-Next gated attention op for op, with M-RoPE at these positions for its RoPE."""
         B, L, _ = x.shape
@@ -207,7 +215,7 @@ class MRoPE:
         queries = attn.q_norm(queries).transpose(0, 2, 1, 3)
         keys = attn.k_norm(keys.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
         values = values.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-        queries, keys = self.rotary.apply_rotary(queries, keys, self.positions(cache.offset, L), unsqueeze_dim=1)
+        queries, keys = self.rotate(attn, queries, keys, cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
         return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
@@ -216,6 +224,33 @@ class MRoPE:
         """A full-attention decoder layer (trunk or MTP head) as mlx-lm's DecoderLayer, at these positions."""
         h = x + self.attention(layer.self_attn, layer.input_layernorm(x), mask, cache)
         return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+class RowsRoPE(MRoPE):
+    """A batch whose rows sit at their own positions: an image prompt's row at its M-RoPE positions, a
+    text row at mlx-lm's 1-D RoPE, computed as mlx-lm computes it, so a text row beside an image row
+    has the bits it has without one (both turns are computed for every row; each row keeps its own)."""
+
+    def __init__(self, ropes: Sequence[Optional[MRoPE]]):
+        image = next(r for r in ropes if r is not None)
+        self.rotary = image.rotary
+        width = max(r.prompt.shape[-1] for r in ropes if r is not None)
+        self.prompt = mx.stack([mx.zeros((3, width), mx.int32) if r is None else  # [3, B, width]
+                                mx.pad(r.prompt, [(0, 0), (0, width - r.prompt.shape[-1])]) for r in ropes], axis=1)
+        self.lengths = mx.array([0 if r is None else r.prompt.shape[-1] for r in ropes])[:, None]  # [B, 1]
+        self.deltas = mx.array([0 if r is None else r.delta for r in ropes])[:, None]
+        self.images = mx.array([r is not None for r in ropes])[:, None, None, None]
+
+    def positions(self, start, length: int) -> mx.array:
+        idx = mx.array(start).reshape(-1, 1) + mx.arange(length)[None]  # [B, length]
+        width = self.prompt.shape[-1]
+        inside = mx.take_along_axis(self.prompt, mx.clip(idx, 0, width - 1)[None], axis=2)  # [3, B, length]
+        return mx.where(idx < self.lengths, inside, idx + self.deltas).astype(mx.int32)
+
+    def rotate(self, attn, queries: mx.array, keys: mx.array, offset) -> Tuple[mx.array, mx.array]:
+        turned_q, turned_k = super().rotate(attn, queries, keys, offset)
+        return (mx.where(self.images, turned_q, attn.rope(queries, offset=offset)),
+                mx.where(self.images, turned_k, attn.rope(keys, offset=offset)))
 
 
 class Target:

@@ -17,6 +17,7 @@ from typing import Dict, Optional
 from speculative.batched.decoding import Decoding, Request
 from speculative.batched.speculator import RowEvents
 from speculative.events import Token
+from speculative.loader.vision import vision_input
 from speculative.stats import GenerationStats
 
 from .admission import Admission, RowMemory
@@ -139,11 +140,6 @@ class DraftingBatch:
                     return False
                 if w.settled_in_queue(job) or w.stale(job):
                     continue
-                if job.images is not None:  # not yet a row of the batch: served by itself, the batch waiting
-                    self._join(joining)
-                    joining = []
-                    w.run_alone(job)
-                    continue
             tokens = len(job.prompt) + job.params.max_tokens
             deepest = max(w.policy.deepest, pinned_depth(job) or 0)
             if not self.admission.fits(list(self.bytes.values()) + [n for _, n in joining], tokens, deepest):
@@ -163,11 +159,17 @@ class DraftingBatch:
         w, jobs, requests = self.worker, {}, []
         for job, nbytes in joining:
             job.stats = GenerationStats(draft_depth=w.spec.draft_depth)
+            try:  # the tower runs here, on the thread that owns MLX
+                vision = vision_input(w.lm.target, w.lm.vision, job.prompt, job.images) if job.images is not None else None
+            except Exception as e:  # this request alone fails
+                log.exception("cannot read a request's images")
+                w.fail(job, failure(e))
+                continue
             row, self.next_row = self.next_row, self.next_row + 1
             jobs[row] = job, nbytes
             requests.append(Request(row, job.prompt, job.params, message_starts(job.prompt, w.marker),
                                     depth=pinned_depth(job), details=job.spec is not None and job.spec.details,
-                                    copies=job.copies))
+                                    vision=vision, copies=job.copies))
         for outs in self.decoding.join(requests):
             self._joined(outs, jobs)
 

@@ -19,7 +19,7 @@ from ..config import SamplingParams, SpecConfig
 from ..events import Done, Round, Token
 from ..heads.health import gives_up, watch
 from ..loader import LoadedModel
-from ..loader.vision import VisionInput
+from ..loader.vision import IMAGE_KEY_BASE, VisionInput
 from ..backend.memory import MLX_MEMORY, Memory
 from ..prompt_cache.store import PrefixCache, PrefixEntry, Resume, entry_from, own_rows
 from ..round.depth_policy import DepthPolicy, RoundTimer
@@ -64,17 +64,32 @@ class Request(NamedTuple):
     depth: Optional[int] = None  # its own draft depth (0: never drafts); None: the policy's
     details: bool = False  # its Rounds carry each draft's p, q and acceptance chance
     rng_seed: Optional[int] = None  # an unseeded request's draws from it
-    vision: Optional[VisionInput] = None  # a prompt's images (bypasses the prompt cache: keyed by tokens)
+    vision: Optional[VisionInput] = None  # a prompt's images (the prompt cache keys them by their pixels)
     resume: Optional[Resume] = None  # a prefix its caller already has, instead of the prompt cache's
     cuts: Sequence[int] = ()  # with no prompt cache: where its caller wants the recurrent state checkpointed
     copies: Optional[str] = None  # its drafts' source (round/copies.py: on, off, only); None: the spec's
 
 
+def cache_key(r: Request) -> Optional[Sequence[int]]:
+    """The request's prompt as the prompt cache keys it: its tokens, each image's rows spelling its
+    pixels' digest (loader.vision.cache_key); None for an image prompt without one (never cached)."""
+    if r.vision is None:
+        return r.prompt
+    return r.vision.key if len(r.vision.key) == len(r.prompt) else None
+
+
+def resume_inside_image(key: Sequence[int], at: int) -> bool:
+    """True when a prefix of `at` tokens would end inside an image: the head's open row there takes
+    the token's embedding, not the image's (entries end at message boundaries, so this is a guard)."""
+    return at < len(key) and key[at] >= IMAGE_KEY_BASE
+
+
 class Life:
     """What a row's end needs: its prompt, what it reused, its times, and its state once it left."""
 
-    def __init__(self, request: Request, reused: int, keep: bool):
+    def __init__(self, request: Request, reused: int, keep: bool, key: Optional[Sequence[int]]):
         self.prompt, self.reused, self.keep = list(request.prompt), reused, keep
+        self.key = list(key) if key is not None else self.prompt  # the prompt as the prompt cache keys it
         self.started = time.perf_counter()
         self.first_at: Optional[float] = None
         self.last_at: Optional[float] = None
@@ -119,7 +134,7 @@ class Decoding:
         Prompts sharing a long prefix join in waves (prefill.sharing_waves): a later wave resumes from
         the state an earlier one kept in the prompt cache instead of computing it again."""
         self.timer.skip()  # the prefill is no round's time
-        waves = (sharing_waves([r.prompt for r in requests]) if self.cache is not None
+        waves = (sharing_waves([cache_key(r) or r.prompt for r in requests]) if self.cache is not None
                  else [list(range(len(requests)))])
         for wave in waves:
             joiners, failed = [], {}
@@ -143,13 +158,16 @@ class Decoding:
 
     def _joiner(self, r: Request) -> Joiner:
         """The request as a Joiner, resuming from the prompt cache's longest prefix, cut at its boundaries."""
-        keep = self.cache is not None and r.vision is None
+        key = cache_key(r)
+        keep = self.cache is not None and key is not None
         resume, cuts = r.resume, list(r.cuts)
         if keep:
             if resume is None:
-                resume = self.cache.take(r.prompt, head_layers=len(self.lm.head.layers))
+                resume = self.cache.take(key, head_layers=len(self.lm.head.layers))
+                if resume is not None and resume_inside_image(key, len(resume)):
+                    resume = None
             cuts = self.cache.plan(len(r.prompt), r.boundaries, len(resume) if resume else 0)
-        self.lives[r.row_id] = Life(r, len(resume) if resume else 0, keep)
+        self.lives[r.row_id] = Life(r, len(resume) if resume else 0, keep, key)
         return Joiner(r.row_id, r.prompt, r.params, resume, cuts, r.depth, r.details, r.rng_seed, r.vision, r.copies)
 
     def _join_group(self, group: List[Joiner]) -> Dict[Hashable, RowEvents]:
@@ -166,7 +184,7 @@ class Decoding:
             life.first_at = life.last_at = now
             life.left = out.left
             if j.row_id in self.batch and life.keep and self.keep_prompts:
-                self._keep_prompt(self.batch.ids.index(j.row_id), life.prompt)
+                self._keep_prompt(self.batch.ids.index(j.row_id), life.key)
         return outs
 
     def _keep_prompt(self, b: int, prompt: List[int]) -> None:

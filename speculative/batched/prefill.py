@@ -82,7 +82,7 @@ def prefill_groups(joiners: Sequence[Joiner]) -> List[List[Joiner]]:
     groups: List[List[Joiner]] = []
     for j in sorted(joiners, key=uncached):
         group = groups[-1] + [j] if groups else None
-        if group is not None:
+        if j.vision is None and group is not None and group[0].vision is None:  # an image prompt: a pass of its own
             padded, real = uncached(j) * len(group), sum(uncached(x) for x in group)
             if padded <= WASTE * real or padded - real <= SLACK:
                 groups[-1] = group
@@ -129,9 +129,10 @@ def prefill_together(rounds, joiners: Sequence[Joiner], trunk: List, head: List,
     if padded:
         for c in trunk + head:
             c.prepare(lengths=lengths, right_padding=pad)
-    # A prompt with images (alone, never resumed) feeds its embeddings, at its M-RoPE positions (rounds.rope).
-    vision = joiners[0].vision
-    rows = (lambda s, e: vision.embeddings[:, s:e]) if vision is not None else (lambda s, e: None)
+    # A prompt with images (alone in its pass) feeds its embeddings after its resumed prefix, at its
+    # M-RoPE positions (rounds.rope).
+    vision, resumed = joiners[0].vision, starts[0]
+    rows = (lambda s, e: vision.embeddings[:, resumed + s : resumed + e]) if vision is not None else (lambda s, e: None)
     ends = sorted({c for row in cuts for c in row})  # every row's cuts end a chunk
     for s, e in segments(0, width, ends, max(1, step // len(joiners))):  # a chunk's tokens: a lone prompt's
         hidden = rounds.target.hidden(tokens[:, s:e], trunk, rows(s, e), rounds.rope)
@@ -146,6 +147,6 @@ def prefill_together(rounds, joiners: Sequence[Joiner], trunk: List, head: List,
         for c in trunk + head:
             c.finalize()
     last = mx.array([[j.prompt[-1]] for j in joiners])
-    n = len(joiners[0].prompt)
+    n = uncached(joiners[0])
     hidden = rounds.target.hidden(last, trunk, rows(n - 1, n), rounds.rope)  # [B, 1, H]
     return Prefilled(hidden, rounds.target.lm_head(hidden[:, -1]), checkpoints)

@@ -61,7 +61,7 @@ class Leaving:
         keep = last.committed - (len(row.generated) - emitted)
         if keep < (0 if last.before is not None else 1) or (keep < last.committed and last.tapes is None):
             raise DynoError(f"a leaving row cannot be settled to {emitted} of its {len(row.generated)} tokens")
-        entry = settled(row.prompt, row.generated, emitted, trunk, head, last, row.checkpoints)
+        entry = settled(row.cache_key or row.prompt, row.generated, emitted, trunk, head, last, row.checkpoints)
         entry.trunk_cache = [own_rows(c) for c in entry.trunk_cache]  # not slices of the batch's arrays
         entry.head_cache = entry.head_cache and [own_rows(c) for c in entry.head_cache]
         return entry

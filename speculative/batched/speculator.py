@@ -10,7 +10,8 @@ BatchKVCaches (left padding, a RoPE offset per row), their Gated DeltaNet caches
 (no pad token ever enters a recurrent state). Rows leave between rounds. Rollback is exact per row:
 a row's rejected KV slots are rolled into its own left padding, where the mask hides them (a zeroed
 key would still add e^0 to the softmax denominator), and its GDN state is taken from its own
-position on the verify tape. A prompt with images, and a model split across processes, run alone.
+position on the verify tape. An image prompt's row sits at its own M-RoPE positions beside text rows
+(target.RowsRoPE); a model split across processes runs one row at a time.
 
 A row that leaves (EOS or max_tokens in a round, a stop string or a cancel between rounds) hands
 back its own caches and its latest pass (settle.Leaving), which settle to the tokens its consumer
@@ -50,6 +51,13 @@ log = logging.getLogger(__name__)
 # Depth-0 rounds owe the head this many rows at most before it runs over them in one pass: the
 # trunk hiddens they hold stay small, and drafting, when it resumes, starts from a short catch-up.
 HEAD_BACKLOG = 32
+
+
+def rows_rope(rows: Sequence[Row]):
+    """The positions of a batch of `rows`: None when no row has an image (mlx-lm's own layers run),
+    else each row at its own (target.MRoPE.beside)."""
+    image = next((r.rope for r in rows if r.rope is not None), None)
+    return None if image is None else image.beside([r.rope for r in rows])
 
 
 # ---- the caches, row by row ----
@@ -206,10 +214,6 @@ class BatchSpeculator(Rounds):
             raise DynoError("the prompt is empty")
         if self.ranks is not None and len(self.ids) + len(joiners) > 1:
             raise DynoError("split across processes, requests are decoded one at a time")
-        if any(j.vision is not None for j in joiners) and (len(joiners) > 1 or self.ids):
-            raise DynoError("a prompt with images is decoded alone")  # one M-RoPE table for the batch
-        if any(j.vision is not None and j.resume is not None for j in joiners):
-            raise DynoError("a prompt with images is not resumed from the prefix cache")
         if why := next((w for j in joiners if (w := refusal(self.drafter, j.params))), None):
             raise DynoError(why)
         return {row_id: out for group in prefill_groups(joiners) for row_id, out in self._joined(group).items()}
@@ -237,8 +241,18 @@ class BatchSpeculator(Rounds):
             row.id, row.prompt, row.details, row.copies = j.row_id, list(j.prompt), j.details, j.copies
             head = j.resume.head_cache if j.resume is not None else None
             row.head_shift = head[0].start if head and isinstance(head[0], ShiftedKVCache) else 0
+            if j.vision is not None:
+                row.rope, row.cache_key = j.vision.rope, list(j.vision.key)
             rows.append(row)
-        self.rope = joiners[0].vision.rope if joiners[0].vision is not None else None
+        # The joiners' passes at their positions (an image prompt prefills alone: prefill_groups);
+        # the batch's rows at theirs again whatever happens.
+        self.rope = rows[0].rope
+        try:
+            return self._prefilled(joiners, rows)
+        finally:
+            self.rope = rows_rope(self.rows)
+
+    def _prefilled(self, joiners: Sequence[Joiner], rows: List[Row]) -> Dict[Hashable, RowEvents]:
         trunk, head = self._starting_caches(joiners[0])
         for j in joiners[1:]:
             t, h = self._starting_caches(j)
@@ -277,6 +291,7 @@ class BatchSpeculator(Rounds):
             keep_rows(trunk + head, staying)
         hidden = done.hidden[index]
         head_hidden = self._head(firsts[:, None], hidden, cache=head)[:, -1:]  # row n-1 drafts position n+1
+        self.rope = rows_rope(self.rows)  # the rows already here owe head rows
         self._take_back()
         self._catch_up_head()  # the rows already here owe head rows; the joiners owe none
         if self.ids:
@@ -339,6 +354,7 @@ class BatchSpeculator(Rounds):
             self.backlog, self.rope = [], None
             return left
         keep_rows(self.trunk_cache + self.head_cache, indices)
+        self.rope = rows_rope(self.rows)
         index = mx.array(indices)
         self.pending, self.head_hidden = self.pending[index], self.head_hidden[index]
         self.backlog = [(tokens[index], hidden[index]) for tokens, hidden in self.backlog]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 
 from ..errors import DynoError, one_line
@@ -52,6 +53,28 @@ class VisionInput:
     embeddings: mx.array
     rope: MRoPE
     images: Tuple[Tuple[str, Tuple[int, int, int]], ...]  # (sha256 of the bytes, grid t, h, w) per image
+    key: Tuple[int, ...] = ()  # the prompt as the prompt cache keys it (cache_key)
+
+
+# An image's rows in a prompt-cache key: ids no tokenizer has, spelling the digest of its pixels, so
+# that two images of the same size (the same placeholder ids) never share an entry.
+IMAGE_KEY_BASE = 1 << 30
+
+
+def cache_key(tokens: Sequence[int], image_token_id: int, pixels: Sequence[str]) -> Tuple[int, ...]:
+    """`tokens` with each image's rows replaced by its pixels' digest, 28 bits a row, repeated; the
+    rows at any prefix the cache resumes from (message boundaries, past the images) spell it whole."""
+    key, image, row = [], -1, 0
+    for i, t in enumerate(tokens):
+        if t != image_token_id:
+            key.append(t)
+            continue
+        if i == 0 or tokens[i - 1] != image_token_id:
+            image, row = image + 1, 0
+        digest = pixels[image]
+        key.append(IMAGE_KEY_BASE + int(digest[(7 * row) % 63 : (7 * row) % 63 + 7], 16))
+        row += 1
+    return tuple(key)
 
 
 def _tower_weights(path: Path) -> dict:
@@ -196,6 +219,7 @@ class ProcessedImages:
     pixel_values: Any  # numpy [patches, C x temporal patch x patch x patch]
     grids: Tuple[Tuple[int, int, int], ...]
     digests: Tuple[str, ...]  # sha256 of each image's bytes
+    pixels: Tuple[str, ...] = ()  # sha256 of each image's processed pixels (the tower's input rows)
 
 
 def process_images(vision: Vision, tokens: Sequence[int], images: Sequence[bytes],
@@ -225,7 +249,11 @@ def process_images(vision: Vision, tokens: Sequence[int], images: Sequence[bytes
         else:
             widened.append(t)
     digests = tuple(hashlib.sha256(b).hexdigest() for b in images)
-    return widened, ProcessedImages(processed["pixel_values"], grids, digests)
+    pixel_values = np.ascontiguousarray(processed["pixel_values"])
+    ends = np.cumsum([t * h * w for t, h, w in grids])  # each image's patches, in order
+    pixels = tuple(hashlib.sha256(np.asarray(grid).tobytes() + rows.tobytes()).hexdigest()
+                   for grid, rows in zip(grids, np.split(pixel_values, ends[:-1])))
+    return widened, ProcessedImages(pixel_values, grids, digests, pixels)
 
 
 def vision_input(target, vision: Vision, tokens: Sequence[int], images: ProcessedImages) -> VisionInput:
@@ -239,7 +267,8 @@ def vision_input(target, vision: Vision, tokens: Sequence[int], images: Processe
     axes, delta = rope_index(tokens, images.grids, vision.image_token_id, vision.merge_size)
     rope = MRoPE(vision.rotary, mx.array(axes, dtype=mx.int32), delta)
     mx.eval(embeddings)
-    return VisionInput(embeddings, rope, tuple(zip(images.digests, images.grids)))
+    key = cache_key(tokens, vision.image_token_id, images.pixels) if images.pixels else ()
+    return VisionInput(embeddings, rope, tuple(zip(images.digests, images.grids)), key)
 
 
 def image_prompt(target, vision: Vision, tokens: Sequence[int], images: Sequence[bytes],

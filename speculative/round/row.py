@@ -44,6 +44,8 @@ class Row:
         self.scores: List = []
         self.checkpoints: Dict = {}  # its prompt's recurrent-state checkpoints, kept by the prefix cache
         self.details = False  # its Rounds also carry each draft's p, q and acceptance chance (RoundDetails)
+        self.rope = None  # an image prompt's positions (target.MRoPE); None: a text row, mlx-lm's RoPE
+        self.cache_key: Optional[List[int]] = None  # an image prompt as the prompt cache keys it (VisionInput.key)
 
     @property
     def plain_greedy(self) -> bool:

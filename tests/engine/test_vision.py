@@ -148,3 +148,48 @@ def test_a_tower_without_mlx_vlm_names_the_install(tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m.split(".")[0] == "mlx_vlm"] + ["mlx_vlm"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
     assert load_vision(tmp_path, {"vision_config": {}}) == (None, "images need mlx-vlm: pip install 'dyno-mlx[vision]'")
+
+
+def decoded(decoding, requests, later=(), after=2):
+    """Each request's tokens through `decoding`: `requests` join at once, `later` after `after` rounds."""
+    out = {r.row_id: [] for r in list(requests) + list(later)}
+
+    def take(events):
+        for row_id, o in events.items():
+            assert o.error is None, o.error
+            out[row_id] += tokens(o.events)
+            if o.finish is not None:
+                decoding.finish(row_id, len(out[row_id]), o.finish)
+
+    for joined in decoding.join(list(requests)):
+        take(joined)
+    rounds = 0
+    while len(decoding) or later:
+        if rounds == after and later:
+            for joined in decoding.join(list(later)):
+                take(joined)
+            later = ()
+        if len(decoding):
+            take(decoding.step())
+        rounds += 1
+    return out
+
+
+def test_an_image_row_beside_text_rows_equals_each_request_decoded_alone(vl):
+    """One batch: an image prompt and two text prompts (one joining while the image row decodes),
+    greedy and seeded sampled; each row's tokens are the ones it gets decoded alone."""
+    from speculative.batched.decoding import Decoding, Request
+
+    _, lm = vl
+    ids, vision = image_prompt(lm.target, lm.vision, lm.tokenizer.encode(PROMPT), [vision_models.png(WIDTH, HEIGHT)])
+    text = lm.tokenizer.encode("<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n")
+    spec = SpecConfig("mtp", draft_depth=2)
+    greedy, seeded = SamplingParams(max_tokens=24), SamplingParams(max_tokens=24, temperature=0.9, seed=7)
+    rows = {"image": (ids, greedy, vision), "text": (text, seeded, None), "late": (text[:-3] + text[-2:], greedy, None),
+            "image-seeded": (ids, seeded, vision)}
+    alone = {name: tokens(generate(lm, p, params, spec, vision=v)) for name, (p, params, v) in rows.items()}
+    assert alone["image"] != alone["late"]  # the rows differ: a mix-up would show
+    requests = [Request(name, p, params, vision=v) for name, (p, params, v) in rows.items() if name != "late"]
+    late = [Request("late", rows["late"][0], greedy)]
+    together = decoded(Decoding(lm, spec, keep_prompts=False), requests, late)
+    assert together == alone

@@ -64,32 +64,43 @@ def test_both_apis_answer_with_the_image_as_plain_decoding_does(server):
     # (what follows a <think> differs: without `thinking` an Anthropic request closes it at once)
 
 
-def test_on_a_warm_cache_two_images_with_the_same_text_each_get_their_own_cold_answer(server):
-    """The prompt cache keys by token ids, which two images with the same text share: image prompts
-    take nothing from it and leave nothing in it (for now), so each answer is its own image's cold run."""
+def cold(lm, messages, png):
+    """The engine's plain greedy answer (content, reasoning) for `messages` (their one image `png`), cold."""
+    prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt, vision = images_for(lm, prompt, [png])
+    events = generate(lm, prompt, SamplingParams(max_tokens=N), SpecConfig("off"), vision=vision)
+    return split_think(detokenize(lm, [e.id for e in events if isinstance(e, Token)]))
+
+
+def test_the_prompt_cache_keys_an_image_by_its_pixels(server):
+    """Two images with the same text each get their own cold answer (the placeholder ids they share
+    are keyed by each image's pixels); the same image asked again, and a second turn on it, resume from
+    its prefix and still answer as a cold run does."""
     lm, client = server.served.lm, server.client
     system = {"role": "system", "content": "You describe pictures."}
 
-    def ask(content):
-        r = client.chat.completions.create(model=MODEL_ID, max_tokens=N, temperature=0,
-                                           messages=[system, {"role": "user", "content": content}])
+    def ask(messages):
+        r = client.chat.completions.create(model=MODEL_ID, max_tokens=N, temperature=0, messages=[system] + messages)
         message = r.choices[0].message
         return (message.content, getattr(message, "reasoning_content", None) or ""), \
             r.usage.prompt_tokens_details.cached_tokens
 
-    ask(QUESTION)
-    _, cached = ask(QUESTION)  # warm: the same text again reuses the system message's prefix
-    assert cached > 0
     pngs = {seed: vision_models.png(64, 96, seed=seed) for seed in (1, 2)}
-    cold = {seed: server.served.worker.call(lambda png=png: reference(lm, png, [system])).result(120)
+    first = [{"role": "user", "content": IMAGE_PLACEHOLDER + QUESTION}]
+    want = {seed: server.served.worker.call(lambda png=png: cold(lm, [system] + first, png)).result(120)
             for seed, png in pngs.items()}
-    assert cold[1][0] != cold[2][0]  # the image decides the answer
-    before = server.stats()["tokens"]
-    for seed in (1, 2, 1, 2):
-        assert ask(openai_parts(pngs[seed])) == (cold[seed], 0), seed
-    after = server.stats()["tokens"]
-    assert after["prompt_cached"] == before["prompt_cached"] and after["prompt"] > before["prompt"]
-    assert ask(QUESTION)[1] == cached  # the text's entry is still there, as it was
+    assert want[1][0] != want[2][0]  # the image decides the answer
+    ask([{"role": "user", "content": QUESTION}])  # a text prompt with the same system message
+    answers = {seed: ask([{"role": "user", "content": openai_parts(pngs[seed])}]) for seed in (1, 2)}
+    assert {seed: a for seed, (a, _) in answers.items()} == want
+    assert answers[1][1] == answers[2][1] > 0  # each reused the system message's prefix, no other image's
+    again, cached = ask([{"role": "user", "content": openai_parts(pngs[1])}])
+    assert again == want[1] and cached > answers[1][1]  # past its own image
+    content = want[1][0]
+    turn = [{"role": "assistant", "content": content}, {"role": "user", "content": "And its colours?"}]
+    second, cached = ask([{"role": "user", "content": openai_parts(pngs[1])}] + turn)
+    assert second == server.served.worker.call(lambda: cold(lm, [system] + first + turn, pngs[1])).result(120)
+    assert cached > answers[1][1]
 
 
 BAD = [
@@ -121,12 +132,39 @@ def test_video_and_too_many_images_are_refused(server):
     assert r.status_code == 400 and "9 images in one request, over the limit of 8" in r.text
 
 
-def test_under_concurrency_an_image_request_is_served_by_itself(vl_dir):
+def test_an_image_request_and_a_text_request_are_decoded_in_one_batch_each_as_alone(vl_dir):
+    """Queued together (the engine thread held by a call meanwhile), an image request and a text
+    request join one drafting batch (/stats counts rounds of width 2) and each gets its answer alone."""
+    import threading
+    import time
+
     png = vision_models.png(64, 96, seed=1)
     with running_server(vl_dir, SpecConfig("mtp", draft_depth=2), decode_concurrency=2, drafting_batch=True) as s:
-        r = s.client.chat.completions.create(model=MODEL_ID, max_tokens=N, temperature=0,
-                                             messages=[{"role": "user", "content": openai_parts(png)}])
-        assert r.choices[0].message.content == reference(s.served.lm, png)[0]
+        lm = s.served.lm
+        text = [{"role": "user", "content": "Name three colours."}]
+        want_text = s.served.worker.call(lambda: cold_text(lm, text)).result(120)
+        answers = {}
+
+        def ask(name, content):
+            r = s.client.chat.completions.create(model=MODEL_ID, max_tokens=N, temperature=0,
+                                                 messages=[{"role": "user", "content": content}])
+            answers[name] = r.choices[0].message.content
+
+        held = s.served.worker.call(lambda: time.sleep(1.0))  # both requests queue behind it
+        threads = [threading.Thread(target=ask, args=a) for a in (("image", openai_parts(png)), ("text", text[0]["content"]))]
+        for t in threads:
+            t.start()
+        held.result(30)
+        for t in threads:
+            t.join(120)
+        assert answers == {"image": reference(lm, png)[0], "text": want_text[0]}
+        assert s.stats()["batch"]["rounds_by_width"].get("2", 0) > 0
+
+
+def cold_text(lm, messages):
+    prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    events = generate(lm, prompt, SamplingParams(max_tokens=N), SpecConfig("off"))
+    return split_think(detokenize(lm, [e.id for e in events if isinstance(e, Token)]))
 
 
 def test_image_urls_are_fetched_only_when_allowed_and_within_the_byte_limit(server):
