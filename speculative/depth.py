@@ -58,14 +58,14 @@ def batched_policy(lm, requested, draft_vocab: Optional[int] = None,
     prior = prior_acceptance(lm, draft_vocab)
     single = int(found.get("depth", 1))
     if found.get("batch_costs"):
-        return DepthPolicy(BatchCosts.from_json(found["batch_costs"]), prior, single=single)
+        return DepthPolicy(BatchCosts.from_json(found["batch_costs"]), prior, single=single, per_row=True)
     notify("dyno: timing batched rounds of this model on this machine, once (stored for later starts; "
            "--decode-concurrency 1 serves without them)")
     prompt = lm.tokenizer.encode(ESTIMATE_PROMPT) or [0]
     costs = measure_batch_costs(lm, prompt, reps=3, draft_vocab=draft_vocab)
     details = {k: v for k, v in found.items() if k not in ("depth", "draft_vocab")}
     store(lm, single, {**details, "batch_costs": costs.as_json()}, draft_vocab)
-    return DepthPolicy(costs, prior, single=single)
+    return DepthPolicy(costs, prior, single=single, per_row=True)
 
 
 def decide(lm, requested, draft_vocab: Optional[int], default: int, batched: bool = False, split: bool = False,
@@ -81,5 +81,8 @@ def decide(lm, requested, draft_vocab: Optional[int], default: int, batched: boo
         depth = int(requested) if requested != "auto" else int((stored(lm) or {}).get("depth", default))
         return depth, DepthPolicy(None, [], pinned=depth)
     depth = single_depth(lm, requested, draft_vocab)
-    policy = batched_policy(lm, requested, draft_vocab, notify) if batched else DepthPolicy(None, [], pinned=depth)
-    return depth, policy
+    if batched:
+        return depth, batched_policy(lm, requested, draft_vocab, notify)
+    # Alone, "auto" drafts at most the chosen depth, each round as deep as the row's own acceptance pays.
+    auto = requested == "auto"
+    return depth, DepthPolicy(None, prior_acceptance(lm, draft_vocab) if auto else [], pinned=depth, per_row=auto)

@@ -71,8 +71,10 @@ def generate(
     if not drafts(lm, spec):
         yield from _plain(lm, prompt, params, prefill_step, prefix_cache, boundaries, until, memory, vision, rng_seed)
         return
-    decoding = Decoding(lm, spec, prefix_cache, DepthPolicy(None, [], pinned=spec.draft_depth), prefill_step, memory,
-                        drafter, clear_per_rounds=False, keep_prompts=False)
+    # The load's policy when it is for this depth (under "auto" the row adapts below it), else pinned.
+    loaded = spec.policy if isinstance(spec.policy, DepthPolicy) and spec.policy.pinned == spec.draft_depth else None
+    decoding = Decoding(lm, spec, prefix_cache, loaded or DepthPolicy(None, [], pinned=spec.draft_depth), prefill_step,
+                        memory, drafter, clear_per_rounds=False, keep_prompts=False)
     request = Request(ROW, prompt, params, boundaries, details=spec.details, rng_seed=rng_seed, vision=vision)
     with memory.wired():
         n, reason = 0, None

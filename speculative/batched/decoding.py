@@ -25,6 +25,7 @@ from ..prompt_cache.store import PrefixCache, PrefixEntry, Resume, entry_from, o
 from ..round.depth_policy import DepthPolicy, RoundTimer
 from ..round.copies import CopiesAndHead
 from ..round.drafter import Drafter
+from ..round.row_depth import RoundTimes, RowDepth, context_band
 from .prefill import PREFILL_STEP, Joiner, prefill_groups, sharing_waves
 from .speculator import BatchSpeculator, Leaving, RowEvents
 
@@ -115,7 +116,10 @@ class Decoding:
         drafter = drafter if drafter is not None else CopiesAndHead(spec.copies)  # the head, and copies unless off
         self.batch = BatchSpeculator(lm, prefill_step, spec.draft_vocab, memory, self.cache is not None or keep_states,
                                      drafter, clear_per_rounds)
-        self.timer = RoundTimer(self.policy.record)  # the policy's round times, start to start
+        self.timer = RoundTimer(self._record)  # the policy's round times, start to start, and the rows'
+        self.times = RoundTimes(self.policy.costs)  # by width, depth and context band: what rows weigh
+        self.row_depths: Dict[Hashable, RowDepth] = {}  # rows choosing their own depth (policy.per_row)
+        self.band: Optional[int] = None  # the context band of the round running now
         self.lives: Dict[Hashable, Life] = {}
         self.last_round: Optional[tuple] = None  # (width, depth it ran at, seconds) of the latest step
 
@@ -183,6 +187,8 @@ class Decoding:
                 continue
             life.first_at = life.last_at = now
             life.left = out.left
+            if self.policy.per_row and j.depth is None:  # (a request's own depth is kept as it asked)
+                self.row_depths[j.row_id] = RowDepth(self.policy.acceptance())
             if j.row_id in self.batch and life.keep and self.keep_prompts:
                 self._keep_prompt(self.batch.ids.index(j.row_id), life.key)
         return outs
@@ -205,8 +211,15 @@ class Decoding:
             depth = then = 0
         else:
             depth, then = self.policy.depth_for(width), self.policy.peek(width)
+        band = context_band(max(len(r.prompt) + len(r.generated) for r in self.batch.rows))
+        if self.row_depths:  # each such row as deep as its own acceptance pays, up to the round's depth
+            seconds = lambda k: self.times.seconds(width, k, band)  # noqa: E731
+            for row in self.batch.rows:
+                if row.id in self.row_depths:
+                    row.chosen = self.row_depths[row.id].choose(depth, seconds)
         ran = self.batch.deepest(depth)  # a row pinned deeper makes the round that deep: timed as such
         self.timer.start(width, ran, self.batch.deepest(then))
+        self.band = band
         start = time.perf_counter()
         try:
             outs = self.batch.step(depth, then)
@@ -218,14 +231,22 @@ class Decoding:
         self.policy.observe(e for out in outs.values() for e in out.events)
         for row_id, out in outs.items():
             life = self.lives[row_id]
-            for event in out.events:
-                if isinstance(event, Round):
-                    watch(self.lm, event, self.spec.mode)
-                elif isinstance(event, Token):
-                    life.last_at = now
+            rounds = [e for e in out.events if isinstance(e, Round)]
+            for event in rounds:
+                watch(self.lm, event, self.spec.mode)
+            if row_id in self.row_depths:
+                self.row_depths[row_id].observe(rounds[0] if rounds else None)
+            if any(isinstance(e, Token) for e in out.events):
+                life.last_at = now
             if out.left is not None:
                 life.left = out.left
         return outs
+
+    def _record(self, width: int, depth: int, seconds: float, then: Optional[int] = None) -> None:
+        """A timed round (RoundTimer): the policy's clock, and the times by context band the rows weigh."""
+        self.policy.record(width, depth, seconds, then)
+        if self.band is not None:
+            self.times.record(width, depth, self.band, seconds, then)
 
     def idle(self) -> None:
         """The caller waits for work between rounds: that wait is no round's time."""
@@ -237,6 +258,7 @@ class Decoding:
         """Take the row out, its state settled to its prompt and the first `delivered` tokens but the
         last (batched.settle); None when it kept no state (nothing to keep it in, or it failed to leave)."""
         life = self.lives.pop(row_id)
+        self.row_depths.pop(row_id, None)
         left = self.batch.leave(row_id) if row_id in self.batch else life.left
         return left.settle(delivered) if left is not None and delivered > 0 else None
 
@@ -257,6 +279,7 @@ class Decoding:
     def drop(self, row_id: Hashable) -> None:
         """Take the row out without keeping its state (it failed, or the engine raised)."""
         self.lives.pop(row_id, None)
+        self.row_depths.pop(row_id, None)
         if row_id in self.batch:
             self.batch.leave(row_id)
 

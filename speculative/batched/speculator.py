@@ -487,8 +487,10 @@ class BatchSpeculator(Rounds):
         return out
 
     def depths(self, depth: int) -> List[int]:
-        """Each row's draft depth in a round at `depth`: its pinned one, else `depth`."""
-        return [depth if r.depth is None else r.depth for r in self.rows]
+        """Each row's draft depth in a round at `depth`: its pinned one, else its own choice up to
+        `depth` (Row.chosen), else `depth`."""
+        return [r.depth if r.depth is not None else depth if r.chosen is None else min(depth, r.chosen)
+                for r in self.rows]
 
     def deepest(self, depth: int) -> int:
         """How deep a round at `depth` drafts: as deep as its deepest row (0 with no rows)."""

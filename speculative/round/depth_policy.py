@@ -214,10 +214,13 @@ class DepthPolicy:
     """
 
     def __init__(self, costs: Optional[BatchCosts], prior: Sequence[float], max_depth: int = MAX_DRAFT_DEPTH,
-                 pinned: Optional[int] = None, single: Optional[int] = None):
+                 pinned: Optional[int] = None, single: Optional[int] = None, per_row: bool = False):
+        """`per_row`: each row may draft shallower than the round, 0 included (round/row_depth.py), as
+        "auto" asks; a depth the user gave is kept as given."""
         if costs is None and pinned is None:
             raise ValueError("a depth policy needs costs or a pinned depth")
         self.costs, self.pinned, self.max_depth, self.single = costs, pinned, max_depth, single
+        self.per_row = per_row
         self.prior = list(prior)[:max_depth] + [0.0] * (max_depth - len(prior))
         self.accepted = [0.0] * max_depth  # decayed counts per position
         self.drafted = [0.0] * max_depth

@@ -27,6 +27,7 @@ class Row:
         self.head_shift = 0  # head cache positions it joined without (ShiftedKVCache.start)
         self.params = params
         self.depth = depth  # pinned by its request (whatever the others draft); None: the policy's
+        self.chosen: Optional[int] = None  # its own depth this round (row_depth.RowDepth), at most the round's
         self.copies: Optional[str] = None  # its request's draft source (copies.SOURCES); None: the drafter's
         self.eos = set(eos)
         self.draft_params = draft_params(params, vocab)  # q's warp (any q is exact)
