@@ -7,7 +7,7 @@ from disk with no server and no network; the JSON is the trace itself.
 import html
 import json
 from dataclasses import asdict
-from typing import List, Mapping, Optional
+from typing import List, Mapping, Optional, Tuple
 
 import plotly.io as pio
 
@@ -65,19 +65,22 @@ def answer_html_file(trace: Trace, meta: Mapping) -> str:
             + _prompt_lines(meta)
             + render.legend_html() + TOGGLE + render.answer_html(trace, rejected=True) + render.stats_line(trace)
             + '<div class="dyno-export-charts">'
-            + _figures([charts.rounds_figure(trace), charts.positions_figure(trace), charts.histogram_figure(trace)])
+            + _figures(charts.answer_figures(trace))
             + "</div>")
     return _page("Dyno answer", body)
 
 
-def race_html_file(spec: Trace, plain: Trace, summary: str, meta: Mapping) -> str:
-    """The race page: the summary line, both answers side by side, the race chart."""
-    body = (f"<h1>Dyno race: MTP drafting against plain decoding</h1>{_settings_line(meta)}"
+def race_html_file(spec: Trace, plain: Trace, summary: str, meta: Mapping,
+                   names: Tuple[str, str] = ("MTP", "plain")) -> str:
+    """The race page: the summary line, both answers side by side (`names`: the two sides'), the race chart."""
+    first, second = (html.escape(n) for n in names)
+    body = (f"<h1>Dyno race: {first} against {second}</h1>{_settings_line(meta)}"
             + _prompt_lines(meta)
             + summary + render.legend_html() + TOGGLE
-            + '<div class="race-cols"><div><div class="race-label race-mtp">MTP speculative</div>'
-            + render.answer_html(spec, rejected=True) + '</div><div><div class="race-label race-plain">plain decoding</div>'
-            + render.answer_html(plain) + "</div></div>" + _figures([charts.race_figure(spec, plain)]))
+            + f'<div class="race-cols"><div><div class="race-label race-mtp">{first}</div>'
+            + render.answer_html(spec, rejected=True) + f'</div><div><div class="race-label race-plain">{second}</div>'
+            + render.answer_html(plain, rejected=True) + "</div></div>"
+            + _figures([charts.race_figure(spec, plain, names=names)]))
     return _page("Dyno race", body)
 
 
@@ -107,6 +110,6 @@ def answer_json(trace: Trace, meta: Mapping) -> str:
 
 
 def race_json(runs: Mapping[str, List[Trace]], meta: Mapping, speedups: Optional[List[float]] = None) -> str:
-    """Every run of a race ({"mtp": [...], "plain": [...]}) and each repeat's speedup."""
+    """Every run of a race ({"mtp": [...], "plain": [...]}, or its pairing's keys) and each repeat's speedup."""
     return json.dumps({"kind": "race", **meta, "speedups": speedups or [],
                        "runs": {k: [trace_record(t) for t in v] for k, v in runs.items()}}, indent=1)

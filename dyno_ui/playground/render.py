@@ -142,6 +142,7 @@ def stats_line(trace: Optional[Trace]) -> str:
         f"<b>{len(trace.token_ids)}</b> tokens",
         f"<b>{_num(trace.tokens_per_round, '.2f')}</b> tokens/round" if trace.rounds else "no drafting",
         f'<b class="accepted">{trace.accepted}/{trace.drafted}</b> drafts accepted' if trace.rounds else "",
+        _copied(trace),
         f"TTFT <b>{_num(None if ttft is None else ttft * 1000, '.0f')}</b> ms",
     ]
     if trace.error:
@@ -149,6 +150,12 @@ def stats_line(trace: Optional[Trace]) -> str:
     elif trace.finish_reason:
         items.append(f"finished: {html.escape(trace.finish_reason)}")
     return '<div class="dyno-stats">' + " · ".join(i for i in items if i) + "</div>"
+
+
+def _copied(trace: Trace) -> str:
+    """Of the drafts, those copied from the context, when there were any."""
+    copies = trace.by_source().get("copy")
+    return f'<b class="copied">{copies.accepted_tokens}/{copies.draft_tokens}</b> copies accepted' if copies else ""
 
 
 def first_difference(a: List[int], b: List[int]) -> Optional[int]:
@@ -180,10 +187,11 @@ def compare_summary(spec: Trace, plain: Trace, greedy: bool, decode=lambda ids: 
 
 
 def race_summary(pairs: Sequence[Tuple[Trace, Trace]], greedy: bool, decode=lambda ids: str(ids),
-                 depth: Optional[int] = None, auto_depth: Optional[int] = None) -> str:
-    """A race repeated len(pairs) times: median tok/s each way, the median speedup with its spread
-    (min–max over the runs), the depth raced and whether auto chose it, and at temperature 0
-    whether every run's outputs are identical."""
+                 depth: Optional[int] = None, auto_depth: Optional[int] = None,
+                 names: Tuple[str, str] = ("MTP", "plain")) -> str:
+    """A race repeated len(pairs) times: median tok/s each way (`names`: its sides'), the median speedup
+    with its spread (min–max over the runs), the depth raced and whether auto chose it, and at
+    temperature 0 whether every run's outputs are identical."""
     speedups = race_speedups(pairs)
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     a = med([s.tokens_per_s for s, _ in pairs if s.tokens_per_s])
@@ -196,8 +204,8 @@ def race_summary(pairs: Sequence[Tuple[Trace, Trace]], greedy: bool, decode=lamb
                    f"{min(speedups):.2f}–{max(speedups):.2f}×)")
     else:
         speedup = f"<b>{m:.2f}×</b> speedup (1 run)"
-    rows = [f'<span class="race-mtp">MTP <b>{_num(a, ".1f")}</b> tok/s</span>',
-            f'<span class="race-plain">plain <b>{_num(b, ".1f")}</b> tok/s</span>', speedup]
+    rows = [f'<span class="race-mtp">{html.escape(names[0])} <b>{_num(a, ".1f")}</b> tok/s</span>',
+            f'<span class="race-plain">{html.escape(names[1])} <b>{_num(b, ".1f")}</b> tok/s</span>', speedup]
     if depth is not None:
         rows.append(f"depth {depth} (auto's choice)" if depth == auto_depth or auto_depth is None
                     else f"depth {depth} (auto would choose {auto_depth})")
@@ -219,7 +227,7 @@ def race_summary(pairs: Sequence[Tuple[Trace, Trace]], greedy: bool, decode=lamb
 
 
 def race_speedups(pairs: Sequence[Tuple[Trace, Trace]]) -> List[float]:
-    """MTP tok/s over plain tok/s for each run that has both."""
+    """The first side's tok/s over the second's (MTP over plain) for each run that has both."""
     return [s.tokens_per_s / p.tokens_per_s for s, p in pairs if s.tokens_per_s and p.tokens_per_s]
 
 

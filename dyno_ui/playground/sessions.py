@@ -16,6 +16,7 @@ from speculative.config import SamplingParams, SpecConfig
 from speculative.errors import DynoError
 from speculative.loader.source import ModelSource, cache_repo_id, is_repo_id
 from speculative.loader.vision import ProcessedImages, checked_vision, process_images
+from speculative.round.copies import check_source
 
 from ..paths import local_folders
 from ..runtime.keys import key_matches
@@ -67,6 +68,13 @@ class Sessions:
             raise DynoError(f"{lm.name} has no MTP head: choose auto or off, or fetch a head")
         return SpecConfig(mode, int(depth), details=bool(details))
 
+    def copies(self, copies) -> str:
+        """The page's draft sources for its requests (on, off, only: round/copies.py), else a one-line error."""
+        try:
+            return check_source(copies)
+        except ValueError as e:
+            raise DynoError(str(e)) from None
+
     def chat_prompt(self, messages: Sequence[dict], thinking: bool, lm=None) -> List[int]:
         """Token ids of the conversation through the tokenizer's chat template."""
         try:
@@ -88,12 +96,13 @@ class Sessions:
     # ---- generating ----------------------------------------------------------------------
 
     def stream(self, prompt: List[int], params: SamplingParams, spec: SpecConfig,
-               session: Optional[str], lm=None, images: Optional[ProcessedImages] = None) -> Iterator[Trace]:
-        """Run one traced job (`images`: the prompt's, from with_images); yield its Trace every FRAME_S and
-        once finished. Leaving early stops it."""
+               session: Optional[str], lm=None, images: Optional[ProcessedImages] = None,
+               copies: Optional[str] = None) -> Iterator[Trace]:
+        """Run one traced job (`images`: the prompt's, from with_images; `copies`: its draft sources, None:
+        the server's); yield its Trace every FRAME_S and once finished. Leaving early stops it."""
         inbox: "queue.Queue[object]" = queue.Queue()
         lm = lm or self.lm
-        job = chat_job(lm, prompt, params, [], inbox.put, spec=spec, trace=True, images=images)
+        job = chat_job(lm, prompt, params, [], inbox.put, spec=spec, trace=True, images=images, copies=copies)
         trace = Trace(job.submitted_at, decode=lm.tokenizer.decode)  # decode: refused drafts' text
         if session is not None:
             self.running[session] = job

@@ -50,6 +50,7 @@ class RoundPoint:
     first: int = 0  # index in Trace.tokens of the round's first token
     delivered: int = 0  # of its tokens, how many the consumer received
     closer: Optional[str] = None  # "correction" or "bonus" once that token arrived
+    source: str = "head"  # where its drafts came from: "head" (the MTP head) or "copy" (the context)
 
     @property
     def rejected(self) -> Tuple[int, ...]:
@@ -111,7 +112,7 @@ class Trace:
         elif isinstance(event, Round):
             since = self._last_round_at or (self.token_times[-1] if self.token_times else at)
             self.rounds.append(RoundPoint(event.drafted, 0, at - since, tuple(event.drafts), event.details,
-                                          first=len(self.tokens)))
+                                          first=len(self.tokens), source=event.source))
             self._last_round_at = at
 
     def piece(self, token: int) -> str:
@@ -172,3 +173,7 @@ class Trace:
     def acceptance_by_position(self) -> List[float]:
         """GenerationStats.acceptance_by_position: accepted at position i / rounds that drafted it."""
         return self.stats.acceptance_by_position()
+
+    def by_source(self) -> Dict[str, GenerationStats]:
+        """GenerationStats.sources, the sources that drafted: "head" and "copy", each its own counts."""
+        return {name: c for name, c in sorted(self.stats.sources.items()) if c.draft_tokens}

@@ -18,10 +18,10 @@ import gradio as gr  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 
 from speculative.attention_kernels import deepest_vector_depth, on_metal  # noqa: E402
-from speculative.config import MAX_DRAFT_DEPTH  # noqa: E402
+from speculative.config import COPY_SOURCES, MAX_DRAFT_DEPTH  # noqa: E402
 from speculative.errors import DynoError  # noqa: E402
 
-from . import charts, export, render, replay  # noqa: E402
+from . import charts, export, races, render, replay  # noqa: E402
 from ..runtime.keys import key_matches  # noqa: E402
 from ..runtime.request import IMAGE_PLACEHOLDER  # noqa: E402
 from ..runtime.served import ServedModel  # noqa: E402
@@ -171,6 +171,7 @@ def _sampling_controls(d, prefix: str) -> dict:
 
 
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")
+PLOTS = ("rounds", "positions", "depth", "histogram")  # the chat tab's charts (charts.answer_figures' order)
 
 
 def _chat_tab(s: Sessions, d) -> dict:
@@ -215,6 +216,10 @@ def _chat_tab(s: Sessions, d) -> dict:
             mode = gr.Radio(["auto", "mtp", "off"], value="auto", label="Speculative decoding", elem_id="mode")
             depth = gr.Slider(1, MAX_DRAFT_DEPTH, value=s.served.worker.spec.draft_depth, step=1,
                               label="draft depth", info=depth_info(s.served.worker.lm), elem_id="depth")
+            # A request's own "copies" for this page's answers; it starts at the server's --copies.
+            copies = gr.Radio(list(COPY_SOURCES), value=s.served.worker.spec.copies, elem_id="copies",
+                              label="Drafts copied from the context", info="on: beside the head's drafts; "
+                              "off: the head alone; only: copies alone. The output is the same either way.")
             show_rejected = gr.Checkbox(label="show rejected drafts (struck through before their correction)",
                                         value=False, elem_id="show-rejected")
             details = gr.Checkbox(label="details: p, q and acceptance chance of each draft on hover (costs one "
@@ -222,16 +227,15 @@ def _chat_tab(s: Sessions, d) -> dict:
             with gr.Accordion("Sampling (from the model's generation_config)", open=True):
                 sampling = _sampling_controls(d, "chat")
     with gr.Row(elem_classes="dyno-charts"):
-        plots = [gr.Plot(charts.rounds_figure(None), elem_id="plot-rounds", show_label=False),
-                 gr.Plot(charts.positions_figure(None), elem_id="plot-positions", show_label=False),
-                 gr.Plot(charts.histogram_figure(None), elem_id="plot-histogram", show_label=False)]
+        plots = [gr.Plot(figure, elem_id=f"plot-{name}", show_label=False)
+                 for name, figure in zip(PLOTS, charts.answer_figures(None))]
     history = gr.State([])
     frame = gr.State(0)
-    settings = [system, thinking, mode, depth, details, show_rejected] + [sampling[k] for k in SAMPLING]
+    settings = [system, thinking, mode, copies, depth, details, show_rejected] + [sampling[k] for k in SAMPLING]
     outputs = [chatbot, history, answer, stats] + plots
 
-    def prepare(history, system, thinking, mode, depth, details, values) -> tuple:
-        """The reply's job: (model, prompt ids, its images, params, spec, export metadata); a bad
+    def prepare(history, system, thinking, mode, copies, depth, details, values) -> tuple:
+        """The reply's job: (model, prompt ids, its images, params, spec, copies, export metadata); a bad
         setting or image, or an image for a model without a tower, is a one-line gr.Error."""
         lm = s.lm  # one model for the whole reply
         files = _images(history)
@@ -239,54 +243,55 @@ def _chat_tab(s: Sessions, d) -> dict:
             prompt, images = s.with_images(s.chat_prompt(_template(history, system), thinking, lm), files, lm)
             params = s.params(*values, prompt_len=len(prompt), lm=lm)
             spec = s.spec(mode, depth, lm, details)
+            copies = s.copies(copies)
         except DynoError as e:
             _fail(e)
         meta = {"model": lm.name, "prompt": history[-1]["content"], "images": _image_meta(files, images),
-                "settings": {"speculative": mode, "draft depth": int(depth), "details": bool(details),
-                             **{k: v for k, v in zip(SAMPLING, values)}}}
-        return lm, prompt, images, params, spec, meta
+                "settings": {"speculative": mode, "copies": copies, "draft depth": int(depth),
+                             "details": bool(details), **{k: v for k, v in zip(SAMPLING, values)}}}
+        return lm, prompt, images, params, spec, copies, meta
 
     def run(history, job, rejected, request: Optional[gr.Request]):
         """Stream the assistant's reply to the last user message of `history` (`job`: prepare's)."""
-        lm, prompt, images, params, spec, meta = job
+        lm, prompt, images, params, spec, copies, meta = job
         charted = 0.0
         trace = Trace(time.perf_counter())
-        for trace in s.stream(prompt, params, spec, _session(request), lm, images):
+        for trace in s.stream(prompt, params, spec, _session(request), lm, images, copies):
             reply = {"role": "assistant", "content": trace.text(), "reasoning": trace.text("reasoning")}
             now = time.perf_counter()
             shown = history + [reply]
-            slow = [gr.skip()] * 5  # text and charts a few times a second; the stats line every frame
+            slow = [gr.skip()] * (2 + len(plots))  # text and charts a few times a second; the stats line every frame
             if trace.finished:
                 s.keep(_session(request), "chat", (trace, meta))
             if now - charted >= CHART_S or trace.finished:
                 charted = now
-                slow = [_display(shown), render.answer_html(trace, rejected=rejected), charts.rounds_figure(trace),
-                        charts.positions_figure(trace), charts.histogram_figure(trace)]
+                slow = [_display(shown), render.answer_html(trace, rejected=rejected), *charts.answer_figures(trace)]
             yield [slow[0], shown if trace.finished else gr.skip(), slow[1], render.stats_line(trace)] + slow[2:]
 
     # Explicit parameters, no *args: Gradio injects gr.Request only into named parameters, and Stop
     # finds the running job by the request's session.
-    def submit(box, history, system, thinking, mode, depth, details, rejected, temperature, top_p, top_k, min_p,
-               max_tokens, seed, request: gr.Request):
+    def submit(box, history, system, thinking, mode, copies, depth, details, rejected, temperature, top_p, top_k,
+               min_p, max_tokens, seed, request: gr.Request):
         text, files = _box(box)
         if not text.strip() and not files:
             raise gr.Error("Type a message or add an image first")
         history = history + [{"role": "user", "content": text, **({"images": files} if files else {})}]
         values = (temperature, top_p, top_k, min_p, max_tokens, seed)
         # Checked before the box is emptied: a refused message keeps its text and images there.
-        job = prepare(history, system, thinking, mode, depth, details, values)
+        job = prepare(history, system, thinking, mode, copies, depth, details, values)
         yield [gr.skip()] * len(outputs) + [{"text": "", "files": []}]
         for shown in run(history, job, rejected, request):
             yield shown + [gr.skip()]
 
-    def regenerate(history, system, thinking, mode, depth, details, rejected, temperature, top_p, top_k, min_p,
-                   max_tokens, seed, request: gr.Request):
+    def regenerate(history, system, thinking, mode, copies, depth, details, rejected, temperature, top_p, top_k,
+                   min_p, max_tokens, seed, request: gr.Request):
         while history and history[-1]["role"] == "assistant":
             history = history[:-1]
         if not history:
             raise gr.Error("Nothing to regenerate")
         values = (temperature, top_p, top_k, min_p, max_tokens, seed)
-        yield from run(history, prepare(history, system, thinking, mode, depth, details, values), rejected, request)
+        yield from run(history, prepare(history, system, thinking, mode, copies, depth, details, values), rejected,
+                       request)
 
     # Progress, and a refusal's "Error" mark, on the answer alone: the box stays usable, its image kept.
     for trigger in (send.click, message.submit):
@@ -355,8 +360,7 @@ def _chat_tab(s: Sessions, d) -> dict:
 
     playing = r_play.click(play, [frame, speed], [replay_view, frame], concurrency_limit=None)
     r_pause.click(None, None, None, cancels=[playing], queue=False)
-    clear.click(lambda: ([], [], render.answer_html(None), render.stats_line(None),
-                         charts.rounds_figure(None), charts.positions_figure(None), charts.histogram_figure(None)),
+    clear.click(lambda: ([], [], render.answer_html(None), render.stats_line(None), *charts.answer_figures(None)),
                 None, outputs, queue=False)
     return {"depth": depth, **sampling}
 
@@ -371,9 +375,9 @@ def _write_export(stem: str, page: str, data: str) -> List[str]:
 
 
 def _compare_tab(s: Sessions, d, chat: dict) -> None:
-    gr.Markdown("One prompt, decoded with MTP drafts and without, one after the other on the same model "
-                "and sampling, repeated to show the median speedup; then the median run replayed side by side "
-                "on a shared timeline.")
+    gr.Markdown("One prompt, decoded with MTP drafts and without (or with drafts copied from the context beside "
+                "the head's and with the head's alone), one after the other on the same model and sampling, "
+                "repeated to show the median speedup; then the median run replayed side by side on a shared timeline.")
     with gr.Row():
         prompt = gr.MultimodalTextbox(label="Prompt (text, and images added, dropped or pasted)", lines=2, scale=4,
                                       elem_id="compare-prompt", value={"text": EXAMPLES[0], "files": []}, **IMAGE_BOX)
@@ -383,6 +387,7 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
                               elem_id="compare-depth")
             repeats = gr.Slider(1, MAX_REPEATS, value=3, step=1, label="runs (median speedup)",
                                 elem_id="compare-repeats")
+            pairing = gr.Radio(list(races.PAIRINGS), value=races.DEFAULT, label="race", elem_id="compare-pairing")
             go = gr.Button("Race", variant="primary", elem_id="compare-run")
     with gr.Accordion("Sampling", open=False):
         sampling = _sampling_controls(d, "compare")
@@ -391,17 +396,23 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
     note = gr.HTML("", elem_id="compare-note")
     with gr.Row(equal_height=True):
         with gr.Column():
-            gr.HTML('<div class="race-label race-mtp">MTP speculative</div>')
+            left_label = gr.HTML(_race_label(races.DEFAULT, 0), elem_id="compare-mtp-label")
             left = gr.HTML(render.answer_html(None), elem_id="compare-mtp")
         with gr.Column():
-            gr.HTML('<div class="race-label race-plain">plain decoding</div>')
+            right_label = gr.HTML(_race_label(races.DEFAULT, 1), elem_id="compare-plain-label")
             right = gr.HTML(render.answer_html(None), elem_id="compare-plain")
     race = gr.Plot(charts.race_figure(None, None), elem_id="plot-race", show_label=False)
     export_button = gr.Button("Export race (HTML + JSON)", elem_id="export-race", size="sm")
     files = gr.File(label="Exported race", file_count="multiple", elem_id="export-race-files", interactive=False,
                     visible=False)
 
-    def compare(box, depth, runs_wanted, temperature, top_p, top_k, min_p, max_tokens, seed, request: gr.Request):
+    def relabel(name):
+        return _race_label(name, 0), _race_label(name, 1)
+
+    pairing.change(relabel, [pairing], [left_label, right_label], queue=False)
+
+    def compare(box, depth, runs_wanted, race_name, temperature, top_p, top_k, min_p, max_tokens, seed,
+                request: gr.Request):
         values = (temperature, top_p, top_k, min_p, max_tokens, seed)
         text, files = _box(box)
         if not text.strip() and not files:
@@ -415,36 +426,41 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
             ids, images = s.with_images(s.chat_prompt([{"role": "user", "content": _with_placeholders(text, files)}],
                                                       False, lm), files, lm)
             params = s.params(*values, prompt_len=len(ids), lm=lm)
+            sides = races.pairing(race_name)
         except DynoError as e:
             _fail(e)
+        names = races.names(sides)
         auto_depth = s.served.worker.spec.draft_depth
         pairs = []
         for n in range(1, int(runs_wanted) + 1):
-            runs = {}
-            for name, mode in (("mtp", "mtp"), ("plain", "off")):
-                for trace in s.stream(ids, params, s.spec(mode, depth, lm), _session(request), lm, images):
-                    status = f'<div class="dyno-stats">run {n} of {int(runs_wanted)}, {name}: {len(trace.token_ids)} tokens…</div>'
+            runs = []
+            for side in sides:
+                spec = s.spec(side.mode, depth, lm)
+                for trace in s.stream(ids, params, spec, _session(request), lm, images, side.copies):
+                    status = (f'<div class="dyno-stats">run {n} of {int(runs_wanted)}, {html.escape(side.label)}: '
+                              f'{len(trace.token_ids)} tokens…</div>')
                     yield status, gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 if trace.finish_reason == "cancelled" or trace.error:
                     yield render.stats_line(trace), gr.skip(), gr.skip(), gr.skip(), gr.skip()
                     return
-                runs[name] = trace
-            pairs.append((runs["mtp"], runs["plain"]))
+                runs.append(trace)
+            pairs.append(tuple(runs))
         # The replay: the median run's two generations from their first token, on one clock.
         speedups = render.race_speedups(pairs)
         order = sorted(range(len(pairs)), key=lambda i: speedups[i] if i < len(speedups) else 0.0)
         spec, plain = pairs[order[len(order) // 2]]
-        result = render.race_summary(pairs, params.greedy, s.decode, int(depth), auto_depth)
+        result = render.race_summary(pairs, params.greedy, s.decode, int(depth), auto_depth, names)
         why = ""
         median = statistics.median(speedups) if speedups else None
-        if median is not None and median < 1 and spec.tokens_per_round:
+        if median is not None and median < 1 and spec.tokens_per_round and sides[1].mode == "off":
             # (timed over the ids as text: a round's cost does not depend on what the image rows hold)
             why = _cost_note(s, lm, ids, int(depth), spec.tokens_per_round, median)
         meta = {"model": lm.name, "prompt": text, "images": _image_meta(files, images), "settings": {
-            "draft depth": int(depth), "auto depth": auto_depth, "runs": len(pairs),
+            "race": race_name, "draft depth": int(depth), "auto depth": auto_depth, "runs": len(pairs),
             **{k: v for k, v in zip(SAMPLING, values)}}}
         s.keep(_session(request), "race", (spec, plain, result + why, meta,
-                                           {"mtp": [p[0] for p in pairs], "plain": [p[1] for p in pairs]}, speedups))
+                                           {side.key: [p[i] for p in pairs] for i, side in enumerate(sides)},
+                                           speedups, names))
         length = max(t.token_times[-1] - t.token_times[0] for t in (spec, plain) if t.token_times) if spec.token_times else 0
         scale = max(1.0, length / REPLAY_MAX_S)
         start = time.perf_counter()
@@ -454,23 +470,34 @@ def _compare_tab(s: Sessions, d, chat: dict) -> None:
                       for t in (spec, plain)]
             done = at >= length
             yield (result if done else f'<div class="dyno-stats">replaying the median race: {at:.2f} s</div>',
-                   why if done else gr.skip(), *frames, charts.race_figure(spec, plain, until=None if done else at))
+                   why if done else gr.skip(), *frames,
+                   charts.race_figure(spec, plain, until=None if done else at, names=names))
             if done:
                 return
             time.sleep(CHART_S / 2)
 
-    go.click(compare, [prompt, depth, repeats] + [sampling[k] for k in SAMPLING], [summary, note, left, right, race],
+    go.click(compare, [prompt, depth, repeats, pairing] + [sampling[k] for k in SAMPLING],
+             [summary, note, left, right, race],
              concurrency_limit=None)
 
     def export_race(request: gr.Request):
         kept = s.last(_session(request), "race")
         if kept is None:
             raise gr.Error("Nothing to export yet: finish a race first")
-        spec, plain, result, meta, runs, speedups = kept
-        return gr.File(value=_write_export("dyno-race", export.race_html_file(spec, plain, result, meta),
+        spec, plain, result, meta, runs, speedups, names = kept
+        return gr.File(value=_write_export("dyno-race", export.race_html_file(spec, plain, result, meta, names),
                                            export.race_json(runs, meta, speedups)), visible=True)
 
     export_button.click(export_race, None, files)
+
+
+def _race_label(race_name: str, side: int) -> str:
+    """A race column's heading: its side's name, in the colour the summary and the chart give it."""
+    try:
+        label = races.pairing(race_name)[side].label
+    except DynoError as e:
+        _fail(e)
+    return f'<div class="race-label {("race-mtp", "race-plain")[side]}">{html.escape(label)}</div>'
 
 
 def _cost_note(s: Sessions, lm, ids: List[int], depth: int, tokens_per_round: float, measured: float) -> str:

@@ -6,7 +6,9 @@ from typing import Optional
 
 from speculative.stats import GenerationStats, tokens_sha256
 
-SOURCE = "mtp"  # the one draft source today: the model's own MTP head
+SOURCE = "mtp"  # drafting's mode on the wire: the model's own MTP head drives every round
+# Draft sources on the wire (GenerationStats.sources' keys): the head keeps the name it always had.
+WIRE_SOURCES = {"head": SOURCE, "copy": "copy"}
 
 
 def drafting_figures(stats: GenerationStats, drafting: bool, prompt_tokens: int, cached_tokens: int) -> dict:
@@ -26,8 +28,8 @@ def drafting_figures(stats: GenerationStats, drafting: bool, prompt_tokens: int,
         "rejected_tokens": stats.draft_tokens - stats.accepted_tokens,
         "drafted_per_position": list(stats.drafted_per_position),
         "accepted_per_position": list(stats.accepted_per_position),
-        "by_source": {SOURCE: {"draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens}}
-        if stats.draft_tokens else {},
+        "by_source": {WIRE_SOURCES.get(name, name): {"draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens}
+                      for name, c in sorted(stats.sources.items()) if c.draft_tokens},
         "rounds": stats.rounds,
         "rounds_by_depth": {str(k): v for k, v in sorted(stats.rounds_by_depth.items())},
         "tokens_per_round": stats.tokens_per_round,

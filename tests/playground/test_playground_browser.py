@@ -128,6 +128,80 @@ def test_compare_race_is_identical_at_temperature_zero(page):
     assert page.locator("#plot-race .js-plotly-plot").count() == 1
 
 
+# A prompt whose answer repeats what it was given, so that the bundled model's drafts are copied from it.
+FUNCTION = ('def parse(line, sep=","):\n    """Split one line of CSV into its fields."""\n    fields = []\n'
+            "    for part in line.split(sep):\n        fields.append(part.strip())\n    return fields\n")
+COPYING = f"Implement `parse` in Python.\n\n{FUNCTION}\n{FUNCTION[:40]}"
+PLOT_DATA = "(id) => document.querySelector(`#${id} .js-plotly-plot`).data.map(t => ({name: t.name, y: t.y}))"
+
+
+def plotted(page, plot: str) -> dict:
+    """The traces a chart drew, by name: {name: y values} as Plotly holds them in the page."""
+    return {t["name"]: t["y"] for t in page.evaluate(PLOT_DATA, f"plot-{plot}")}
+
+
+def copied_answer(page, copies: str) -> tuple:
+    """The greedy answer to COPYING with the page's copies toggle at `copies`: (stats line, answer text)."""
+    page.get_by_role("tab", name="Chat").click()
+    clear_chat(page)
+    page.locator("#copies").get_by_label(copies, exact=True).check()
+    set_number(page, "chat-temperature", 0)
+    set_number(page, "chat-max-tokens", 48)
+    chat_box(page).fill(COPYING)
+    page.locator("#send").click()
+    line = wait_for_stats(page, r"finished: (length|stop)")
+    page.wait_for_function("document.querySelector('#plot-depth .js-plotly-plot')?.data?.length > 0")
+    shown = page.locator("#answer .tok:not(.tok-rejected)").all_inner_texts()  # refused drafts are not the answer
+    return line, "".join(shown)
+
+
+def test_the_copies_toggle_colours_copies_and_the_charts_split_them_from_the_heads(page, shots):
+    """Copies on: copied tokens coloured apart, the stats line counts them, the rounds chart's accepted
+    bars and the acceptance chart split by source with the line's figures, and the depth chart has
+    every round, the copied ones marked with their longer depths; off: none of it, the same text."""
+    line, text = copied_answer(page, "on")
+    copied, copies = map(int, re.search(r"(\d+)/(\d+) copies accepted", line).groups())
+    accepted, drafted = map(int, re.search(r"(\d+)/(\d+) drafts accepted", line).groups())
+    assert 0 < copied <= copies < drafted and copied < accepted, line
+    assert page.locator("#answer .tok-copy").count() == copied  # each accepted copy is one token's span
+    rounds = plotted(page, "rounds")
+    assert sum(y or 0 for y in rounds["accepted: copies"]) == copied, rounds
+    assert sum(y or 0 for y in rounds["accepted: head"]) == accepted - copied, rounds
+    assert set(plotted(page, "positions")) == {"head", "copies"}
+    depth = plotted(page, "depth")
+    n_rounds = len(rounds["drafted"])  # (the rounds chart holds its last 100 rounds: this answer's all)
+    assert len(depth["depth"]) == n_rounds and sum(depth["depth"]) == drafted, depth
+    assert sum(depth["copied round"]) == copies and max(depth["copied round"]) > max(
+        d for d, c in zip(depth["depth"], rounds["accepted: copies"]) if c is None), depth  # longer than the head's
+    page.screenshot(path=str(shots / "copies.png"), full_page=True)
+    line_off, text_off = copied_answer(page, "off")
+    assert "copies accepted" not in line_off and page.locator("#answer .tok-copy").count() == 0
+    assert "accepted: copies" not in plotted(page, "rounds") and set(plotted(page, "positions")) == {"head"}
+    assert "copied round" not in plotted(page, "depth") and text_off == text
+    clear_chat(page)
+
+
+def test_compare_races_head_and_copies_against_the_head_alone(page):
+    page.get_by_role("tab", name="Compare").click()
+    page.locator("#compare-pairing").get_by_label("head + copies against the head alone").check()
+    page.locator("#compare-mtp-label").get_by_text("head + copies").wait_for()
+    assert page.locator("#compare-plain-label").inner_text().strip() == "head only"
+    page.locator("#compare-prompt textarea").fill(COPYING)
+    set_number(page, "compare-repeats", 1)
+    page.locator("#compare-run").click()
+    # (the last race's summary stays until this one ends: its end is the first line naming these sides)
+    summary = wait_for_stats(page, r"head \+ copies .*(identical output|outputs differ)", "#compare-summary")
+    assert "identical output" in summary and re.search(r"\d+\.\d+× speedup", summary), summary
+    assert re.search(r"head \+ copies [\d.]+ tok/s · head only [\d.]+ tok/s", summary), summary
+    assert page.locator("#compare-mtp .tok-copy").count() > 0  # copies drafted on one side only
+    assert page.locator("#compare-plain .tok-copy").count() == 0
+    assert page.locator("#compare-plain .tok-draft").count() > 0  # the head drafts on both
+    assert [t["name"] for t in page.evaluate(PLOT_DATA, "plot-race")] == ["head + copies", "head only"]
+    page.locator("#compare-pairing").get_by_label("MTP against plain decoding").check()
+    page.locator("#compare-mtp-label").get_by_text("MTP").wait_for()
+    page.get_by_role("tab", name="Chat").click()
+
+
 def table_text(page) -> str:
     return page.locator("#models-table").inner_text()
 

@@ -134,7 +134,7 @@ def test_exported_answer_opens_standalone_with_the_same_tokens(page, browser, an
     rejected = [d for r in data["trace"]["rounds"] for d in r["rejected"]]
     assert rejected_ids(offline, ".dyno-answer") == rejected == rejected_ids(page)
     offline.locator(".js-plotly-plot").first.wait_for()  # the charts drew with the inlined Plotly
-    assert offline.locator(".js-plotly-plot").count() == 3 and fetched == []
+    assert offline.locator(".js-plotly-plot").count() == 4 and fetched == []  # charts.answer_figures
     offline.screenshot(path=str(shots / "export.png"), full_page=True)
     offline.context.close()
 

@@ -158,3 +158,45 @@ def test_race_exports_carry_both_runs_and_every_speedup():
     data = json.loads(export.race_json({"mtp": [spec], "plain": [plain]}, meta, [1.5]))
     assert data["kind"] == "race" and data["speedups"] == [1.5]
     assert [t["provenance"] for t in data["runs"]["mtp"][0]["tokens"]][:2] == ["plain", "draft"]
+
+
+def test_copied_rounds_are_counted_charted_and_raced_apart():
+    """A head round (3 drafts, 2 kept) then a copied one (8 drafts, 6 kept): the stats line, the rounds,
+    acceptance and depth charts split them by source; a race's sides name themselves; an unknown race
+    is a one-line error."""
+    import pytest
+
+    from dyno_ui.playground import races
+    from speculative.errors import DynoError
+
+    t = Trace(submitted_at=0.0)
+    t.add(Traced(Token(1, Provenance.PLAIN), 0.1))
+    for at, (drafted, accepted, source) in enumerate(((3, 2, "head"), (8, 6, "copy")), 2):
+        t.add(Traced(Round(drafted, accepted, tuple(range(drafted)), source=source), at / 10))
+        kind = Provenance.DRAFT if source == "head" else Provenance.COPY
+        for _ in range(accepted):
+            t.add(Traced(Token(2, kind), at / 10))
+        t.add(Traced(Token(3, Provenance.CORRECTION), at / 10))
+    assert [r.source for r in t.rounds] == ["head", "copy"] and set(t.by_source()) == {"head", "copy"}
+    assert "6/8</b> copies accepted" in render.stats_line(t) and "8/11</b> drafts accepted" in render.stats_line(t)
+    assert "copies accepted" not in render.stats_line(traced())
+    rounds = {tr.name: list(tr.y) for tr in charts.rounds_figure(t).data}
+    assert rounds["accepted: head"] == [2, None] and rounds["accepted: copies"] == [None, 6]
+    assert "accepted: copies" not in {tr.name for tr in charts.rounds_figure(traced()).data}
+    positions = {tr.name: list(tr.y) for tr in charts.positions_figure(t).data}
+    assert positions["head"] == [1.0, 1.0, 0.0] and positions["copies"] == [1.0] * 6 + [0.0, 0.0]
+    depth = {tr.name: (list(tr.x), list(tr.y)) for tr in charts.depth_figure(t).data}
+    assert depth == {"depth": ([1, 4], [3, 8]), "copied round": ([4], [8])}  # x: the answer's tokens before it
+    assert len(charts.answer_figures(t)) == 4 and not charts.depth_figure(None).data
+    sides = races.pairing("head + copies against the head alone")
+    assert [(s.mode, s.copies) for s in sides] == [("mtp", "on"), ("mtp", "off")]
+    summary = render.race_summary([(t, t)], greedy=True, names=races.names(sides))
+    assert "head + copies <b>" in summary and "head only <b>" in summary and "identical output" in summary
+    assert [tr.name for tr in charts.race_figure(t, t, names=races.names(sides)).data] == ["head + copies", "head only"]
+    with pytest.raises(DynoError, match=r"^race must be one of .*, got 'fastest'$"):
+        races.pairing("fastest")
+    from dyno_ui.playground.sessions import Sessions
+
+    assert Sessions(None).copies("only") == "only"  # the page's toggle, checked as the API checks "copies"
+    with pytest.raises(DynoError, match=r"^copies must be one of on, off, only, got 3$"):
+        Sessions(None).copies(3)

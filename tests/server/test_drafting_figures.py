@@ -46,22 +46,26 @@ def extra(obj) -> dict:
     return obj.model_extra or {}
 
 
-def ask(server, api: str, stream: bool, **body) -> dict:
-    """One request through the official client; its drafting figures, checked to come on the whole
-    answer, or on the stream's last chunk or event and on no other."""
+def send(server, api: str, stream: bool, n: int = N, messages=MESSAGES, text: str = TEXT, **body):
+    """One request through the official client: `messages` on the chat APIs, `text` on completions."""
     client = server.client
     if api == "chat":
-        reply = client.chat.completions.create(model=MODEL_ID, max_tokens=N, messages=MESSAGES, stream=stream,
-                                               stream_options={"include_usage": True} if stream else None,
-                                               extra_body=body)
-    elif api == "completions":
-        reply = client.completions.create(model=MODEL_ID, max_tokens=N, prompt=TEXT, stream=stream, extra_body=body)
-    elif api == "responses":
-        reply = client.responses.create(model=MODEL_ID, max_output_tokens=N, input=MESSAGES[0]["content"],
-                                        stream=stream, extra_body=body)
-    else:
-        reply = server.anthropic().messages.create(model=MODEL_ID, max_tokens=N, messages=MESSAGES, stream=stream,
-                                                   extra_body=body)
+        return client.chat.completions.create(model=MODEL_ID, max_tokens=n, messages=messages, stream=stream,
+                                              stream_options={"include_usage": True} if stream else None,
+                                              extra_body=body)
+    if api == "completions":
+        return client.completions.create(model=MODEL_ID, max_tokens=n, prompt=text, stream=stream, extra_body=body)
+    if api == "responses":
+        return client.responses.create(model=MODEL_ID, max_output_tokens=n, input=messages[0]["content"],
+                                       stream=stream, extra_body=body)
+    return server.anthropic().messages.create(model=MODEL_ID, max_tokens=n, messages=messages, stream=stream,
+                                              extra_body=body)
+
+
+def ask(server, api: str, stream: bool, **body) -> dict:
+    """One request (send's); its drafting figures, checked to come on the whole answer, or on the
+    stream's last chunk or event and on no other."""
+    reply = send(server, api, stream, **body)
     if not stream:
         return extra(reply)["drafting"]
     parts = list(reply)
@@ -168,3 +172,55 @@ def test_the_server_md_example_reads_the_figures():
     accepted, sha, by_depth, mode = out.getvalue().splitlines()
     assert int(accepted) >= 0 and re.fullmatch(r"[0-9a-f]{64}", sha) and by_depth.startswith("{'3': ")
     assert mode == "mtp"
+
+
+# A prompt that holds what the answer repeats: the bundled model re-emits the function it was given, so
+# copies draft on every API (the chat APIs' template around it included).
+FUNCTION = ('def parse(line, sep=","):\n    """Split one line of CSV into its fields."""\n    fields = []\n'
+            "    for part in line.split(sep):\n        fields.append(part.strip())\n    return fields\n")
+COPYING = {"messages": [{"role": "user", "content": f"Implement `parse` in Python.\n\n{FUNCTION}\n{FUNCTION[:40]}"}],
+           "text": FUNCTION + "\n\n" + FUNCTION[:60], "n": 48}
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_copies_field_picks_the_draft_sources_with_the_same_tokens(serial, batched, api):
+    """`copies` on every API over a server whose own --copies is off: "on" copies beside the head,
+    "off" drafts with the head alone, "only" with copies alone; greedy tokens the same every way, served
+    alone and in the drafting batch (whose rows each keep their request's sources)."""
+    for server in (serial, batched):
+        by = {copies: ask(server, api, False, copies=copies, **GREEDY, **COPYING) for copies in ("on", "off", "only")}
+        assert set(by["off"]["by_source"]) == {"mtp"}, (api, by["off"])  # no copied tokens
+        assert set(by["only"]["by_source"]) == {"copy"}, (api, by["only"])
+        assert set(by["on"]["by_source"]) == {"mtp", "copy"}, (api, by["on"])
+        assert by["only"]["by_source"]["copy"]["accepted_tokens"] > 0
+        for figures in by.values():
+            assert figures["mode"] == "mtp"
+            assert sum(s["draft_tokens"] for s in figures["by_source"].values()) == figures["draft_tokens"]
+            assert sum(s["accepted_tokens"] for s in figures["by_source"].values()) == figures["accepted_tokens"]
+        assert len({f["tokens_sha256"] for f in by.values()}) == 1, (api, by)
+        assert by["off"]["generated_tokens"] == COPYING["n"]
+    unset = ask(serial, api, True, **GREEDY, **COPYING)  # absent (and streamed): the server's, off
+    assert set(unset["by_source"]) == {"mtp"} and unset["tokens_sha256"] == by["on"]["tokens_sha256"]
+
+
+HOSTILE = [1, 0.5, "ON", "", "sometimes", ["on"], {"on": True}, True]
+
+
+def test_a_bad_copies_value_is_a_one_line_400_and_serving_goes_on(serial):
+    """Each API refuses what is not "on", "off", "only" or null, in its own envelope, naming the field;
+    the server then answers a good request on each API as before."""
+    import anthropic
+    import openai
+
+    want = {api: ask(serial, api, False, **GREEDY) for api in APIS}
+    for api in APIS:
+        for value in HOSTILE:
+            with pytest.raises((openai.BadRequestError, anthropic.BadRequestError)) as refused:
+                send(serial, api, False, copies=value)
+            err = refused.value
+            message = err.body["message"] if api != "messages" else err.body["error"]["message"]
+            assert err.status_code == 400 and message.startswith("copies: ") and "\n" not in message, (api, value)
+            if api != "messages":
+                assert err.body["param"] == "copies"
+        assert ask(serial, api, False, copies=None, **GREEDY)["tokens_sha256"] == want[api]["tokens_sha256"]
+        assert ask(serial, api, False, copies="off", **GREEDY)["tokens_sha256"] == want[api]["tokens_sha256"]

@@ -29,6 +29,7 @@ INTS = st.sampled_from([-(2**70), -(2**63), -1, 0, 1, 2, 3, VOCAB - 1, VOCAB, VO
 FLOATS = st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e-300, 1e300, 0.5, 1.0, 2.0, 2.0000001,
                           -2.0, 100.0, -100.0, 100.5]) | st.floats(-3, 3)
 JUNK = st.sampled_from([None, True, False, "", "x", "1", [], {}, [1, "a"], {"a": 1}, "\u0000", "\ud7ff" * 3])
+COPIES = st.sampled_from(["on", "off", "only"]) | JUNK | INTS  # a request's draft sources
 ANY = INTS | FLOATS | JUNK
 TEXT = st.text(max_size=40) | st.sampled_from(["<|im_end|>", "<think>", "</think>", "\n\n", "é" * 30])
 STOP = TEXT | st.lists(TEXT, max_size=5) | JUNK
@@ -56,6 +57,7 @@ SHARED = {
     "repetition_penalty": FLOATS | JUNK,
     "repetition_context_size": INTS | JUNK,
     "draft": st.booleans() | JUNK,
+    "copies": COPIES,
     "unknown_field": ANY,
 }
 # Mostly well-formed bodies with a few fields drawn from the hostile sets: a value only reaches the
@@ -116,7 +118,7 @@ HOSTED = st.fixed_dictionaries({"type": st.sampled_from(["web_search", "file_sea
 # mostly well-formed base, as for chat.
 RESPONSE_FIELDS = {
     "max_output_tokens": INTS | JUNK, "temperature": FLOATS | JUNK, "top_p": FLOATS | JUNK,
-    "stream": st.booleans() | JUNK, "draft": st.booleans() | JUNK, "instructions": TEXT | JUNK, "store": ANY, "metadata": ANY, "user": ANY,
+    "stream": st.booleans() | JUNK, "draft": st.booleans() | JUNK, "copies": COPIES, "instructions": TEXT | JUNK, "store": ANY, "metadata": ANY, "user": ANY,
     "input": TEXT | st.lists(ITEM, max_size=4) | JUNK,
     "tools": st.lists(FUNCTION | NAMESPACE | HOSTED, max_size=3) | JUNK,
     "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"},

@@ -74,16 +74,16 @@ def chat_request(req: api.Conversation, default_thinking: bool = False) -> ChatR
     if prefill:  # the prefill is the text answer's start: the template closes its think block first
         thinking = False
     choice, parallel = tool_choice(req.tool_choice)
-    sampling, stop, draft = Sampling(), (), None
+    sampling, stop, draft, copies = Sampling(), (), None, None
     if isinstance(req, api.MessagesRequest):  # count_tokens has no sampling fields
         sampling = Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
-        stop, draft = tuple(req.stop_strings()), req.draft
+        stop, draft, copies = tuple(req.stop_strings()), req.draft, req.copies
     return ChatRequest(
         messages=tuple(conversation(req, messages)), model=req.model, tools=tuple(tools(req.tools)),
         tool_choice=choice, parallel_tool_calls=parallel,
         response_format=None if req.output_schema is None else JsonSchema(req.output_schema),
         thinking=thinking, thinking_budget=budget, prefill=prefill, sampling=sampling, stop=stop,
-        draft=draft)
+        draft=draft, copies=copies)
 
 
 def effort(req: api.Conversation) -> Optional[str]:

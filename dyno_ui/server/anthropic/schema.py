@@ -14,7 +14,7 @@ from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, model_validator
 
 from ...runtime.errors import ApiError
-from ..drafting import Drafted
+from ..drafting import Copies, Drafted
 
 # ---- errors --------------------------------------------------------------------------------
 
@@ -292,6 +292,7 @@ class MessagesRequest(Conversation):
     stream: bool = False
     metadata: Optional[Dict[str, Any]] = None  # accepted; nothing to do with it locally
     draft: Optional[StrictBool] = None  # false: this request decodes without drafts (docs/server.md)
+    copies: Copies = None  # drafts copied from the context (server/drafting.py)
 
     def stop_strings(self) -> List[str]:
         return [s for s in self.stop_sequences or [] if s]

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from ...runtime import request as neutral
 from ...runtime.errors import ApiError
 from ...runtime.request import EFFORT_BUDGETS, JsonSchema
-from ..drafting import Drafted
+from ..drafting import Copies, Drafted
 from ..errors import validation_error
 from . import schema as chat
 
@@ -208,6 +208,7 @@ class ResponsesRequest(_Strict):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     draft: Optional[StrictBool] = None  # false: this request decodes without drafts (docs/server.md)
+    copies: Copies = None  # drafts copied from the context (server/drafting.py)
     store: Optional[bool] = None  # accepted; nothing is kept either way
     metadata: Optional[Dict[str, str]] = None
     user: Optional[str] = None
@@ -326,7 +327,7 @@ class ResponsesRequest(_Strict):
             messages=messages(self.instructions, self.items()), model=self.model,
             tools=tuple(t.tool() for t in self.functions()), tool_choice=self.choice(),
             parallel_tool_calls=self.parallel_tool_calls is not False, response_format=self.format(),
-            thinking=thinking, thinking_budget=budget, draft=self.draft,
+            thinking=thinking, thinking_budget=budget, draft=self.draft, copies=self.copies,
             sampling=neutral.Sampling(max_tokens=self.max_output_tokens, temperature=self.temperature,
                                       top_p=self.top_p))
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_serializer,
 from ...runtime import request as neutral
 from ...runtime.errors import ApiError
 from ...runtime.request import MAX_LOGPROBS, PENALTY_CONTEXT
-from ..drafting import Drafted
+from ..drafting import Copies, Drafted
 
 
 class ErrorBody(BaseModel):
@@ -107,7 +107,7 @@ class SamplingFields(_Request):
     repetition_penalty: Optional[float] = Field(None, gt=0)
     repetition_context_size: int = Field(PENALTY_CONTEXT, ge=1)
     draft: Optional[StrictBool] = None  # false: this request decodes without drafts (docs/server.md)
-    copies: Optional[Literal["on", "off", "only"]] = None  # drafts copied from the context; None: the server's
+    copies: Copies = None  # drafts copied from the context (server/drafting.py)
 
     def stop_strings(self) -> List[str]:
         """`stop` as a list without empty strings."""
