@@ -43,15 +43,15 @@ from speculative.config import SamplingParams, SpecConfig  # noqa: E402
 from speculative.engine import generate  # noqa: E402
 from speculative.events import Token  # noqa: E402
 from speculative.loader import load_checkpoint  # noqa: E402
-from speculative.measure import shapes  # noqa: E402
+from tools.standin import shapes  # noqa: E402
 from speculative.measure.blas import detect  # noqa: E402
-from speculative.measure.random_checkpoint import built, scaled_down  # noqa: E402
+from tools.standin.random_checkpoint import built, scaled_down  # noqa: E402
 from speculative.measure.batch_cost import measure_batch_costs  # noqa: E402
 from speculative.measure.replay import replayed_batch, parse_profile  # noqa: E402
 from speculative.round.drafter import HeadDrafter  # noqa: E402
 from speculative.measure.batch_cost import TIMED_DEPTH  # noqa: E402
 from speculative.round.depth_policy import DepthPolicy, RoundTimer  # noqa: E402
-from speculative.measure.scale import draft_head, draft_vocab_floor, random_prompt  # noqa: E402
+from tools.standin.scale import draft_head, draft_vocab_floor, random_prompt  # noqa: E402
 from speculative.measure.suites import SUITES, encode  # noqa: E402
 
 

@@ -3,7 +3,7 @@
     tools/with_openblas.sh python tools/head_tune_step.py --shape qwen3.5-0.8b --dtype float32 \
         --json assets/bench/qwen3.5-0.8b-f32-openblas-head-tune-step-cpu.json
 
-Builds the checkpoint (speculative/measure/random_checkpoint.py) in a temporary folder removed at exit,
+Builds the checkpoint (tools/standin/random_checkpoint.py) in a temporary folder removed at exit,
 loads it with its head, and runs the tune's own step (speculative/measure/head_tune.py: the trunk's forward for
 the targets, the head unrolled --depth steps, KL to the top-k, AdamW) on random token windows. Step 1
 includes MLX's first-use costs; the record keeps every step's time.
@@ -23,9 +23,9 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from speculative.measure import head_tune as tuning  # noqa: E402
 from speculative.loader import load_checkpoint  # noqa: E402
-from speculative.measure import shapes  # noqa: E402
+from tools.standin import shapes  # noqa: E402
 from speculative.measure.blas import detect  # noqa: E402
-from speculative.measure.random_checkpoint import built, scaled_down  # noqa: E402
+from tools.standin.random_checkpoint import built, scaled_down  # noqa: E402
 
 
 def main() -> int:

@@ -5,7 +5,7 @@
     tools/with_openblas.sh python tools/long_session.py --shape qwen3.5-0.8b --dtype float32 --keep /tmp/q08 \
         --acceptance 27b-long --contexts 1024:32768 --measure-up-to 2048 --max-tokens 32
 
-The long-session mode of tools/scale_bench.py (speculative/measure/session.py): one session's prompt
+The long-session mode of tools/scale_bench.py (tools/standin/session.py): one session's prompt
 grown turn by turn (contexts doubling from the first to the last), `--max-tokens` decoded each turn,
 drafts replayed to an acceptance profile that may follow the context (`--acceptance 27b-long`:
 Qwen3.6-27B's published decay; or points like 1k:0.93,0.86,0.75/32k:0.72,0.66,0.58). Turns up to
@@ -25,17 +25,19 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools.standin, run as a script
+
 import mlx.core as mx
 import mlx_lm
 
 from speculative.errors import DynoError
 from speculative.loader import load_checkpoint
-from speculative.measure import shapes
+from tools.standin import shapes
 from speculative.measure.blas import detect
-from speculative.measure.random_checkpoint import built, scaled_down
+from tools.standin.random_checkpoint import built, scaled_down
 from speculative.measure.replay import ContextProfile, parse_profile
-from speculative.measure.scale import draft_vocab_floor
-from speculative.measure.session import doubling, long_session, tps
+from tools.standin.scale import draft_vocab_floor
+from tools.standin.session import doubling, long_session, tps
 from speculative.prompt_cache.store import PrefixCache
 
 

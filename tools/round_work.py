@@ -3,14 +3,14 @@
     tools/with_openblas.sh python tools/round_work.py --shape qwen3.5-0.8b --dtype float32 \
         --draft-vocab auto --depths 2,3 --context 16 --max-tokens 24 --keep /tmp/q08-f32 [--json FILE]
 
-A real-shaped random checkpoint (speculative/measure/random_checkpoint.py) drafts replayed to an
+A real-shaped random checkpoint (tools/standin/random_checkpoint.py) drafts replayed to an
 acceptance profile (speculative/measure/replay.py), output checked equal to plain greedy. As each
 round's drafts are made (its drafter, Paired, is asked for them after the round before emitted its
 tokens) the tool waits for them, then times the cost model's calls on the round's own caches, one
 after the other and each waited for: Tv(k) (a k+1-token verify and its argmax) and Td (a head step
 and its greedy pick over the drafts' projection); then the round runs as the engine runs it, to the
 next round's drafts computed. Per round it reads wall time and each thread's CPU time
-(speculative/measure/thread_time.py): the worker threads' run time is the round's device work, set
+(tools/standin/thread_time.py): the worker threads' run time is the round's device work, set
 against Tv(k) + k*Td's; the main thread's is its Python; the busiest worker's idle time is time it
 had nothing queued. On a machine shared with other work, wall time drifts by the minute and CPU time
 does not, so the ratios of CPU time say where the work goes where wall time cannot. It does not see
@@ -33,7 +33,7 @@ from speculative.config import SamplingParams, SpecConfig  # noqa: E402
 from speculative.draft_vocab.head import DraftLMHead, greedy_token  # noqa: E402
 from speculative.measure.cost_model import verify_call  # noqa: E402
 from speculative.measure.replay import ReplayedDrafter, parse_profile  # noqa: E402
-from speculative.measure.thread_time import Usage, since, stamp  # noqa: E402
+from tools.standin.thread_time import Usage, since, stamp  # noqa: E402
 from speculative.stats import GenerationStats  # noqa: E402
 
 
@@ -114,11 +114,11 @@ def summary(samples: List[Dict[str, Usage]], depth: int) -> dict:
 
 def main() -> int:
     from speculative.loader import load_checkpoint
-    from speculative.measure import shapes
+    from tools.standin import shapes
     from speculative.measure.bench import run_mlx_lm
     from speculative.measure.blas import detect
-    from speculative.measure.random_checkpoint import built, scaled_down
-    from speculative.measure.scale import draft_head, draft_vocab_floor, random_prompt
+    from tools.standin.random_checkpoint import built, scaled_down
+    from tools.standin.scale import draft_head, draft_vocab_floor, random_prompt
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", required=True, choices=shapes.names())

@@ -4,7 +4,7 @@
         --context 64 --max-tokens 32 --pairs 3 --json out.json
     tools/with_openblas.sh python tools/scale_bench.py --shape qwen3.5-0.8b --dtype float32 --draft-vocab auto ...
 
-Builds the checkpoint (speculative/measure/random_checkpoint.py) in a temporary folder, removed at
+Builds the checkpoint (tools/standin/random_checkpoint.py) in a temporary folder, removed at
 the end; times T1, Tv(k), Td (whole vocabulary and auto's smallest draft vocabulary); runs plain
 mlx-lm and Dyno at each depth in alternating pairs, Dyno's drafts replayed to the acceptance profile
 (speculative/measure/replay.py), output checked equal to plain greedy; prints a table and writes a
@@ -14,7 +14,7 @@ padded with random rows (no prefill: minutes per thousand tokens on a slow CPU):
 `--dtype float32` with OpenBLAS preloaded (tools/with_openblas.sh) is the bandwidth-bound stand-in for
 decoding on Apple Silicon (docs/performance.md); the record and the table name the BLAS the run used.
 `--draft-vocab N|auto` drafts over N rows (auto: its floor, 1/8 of the vocabulary), the subset made by
-speculative/measure/scale.py's draft_subset (`--draft-ids first|seeded`) and labelled in the record.
+tools/standin/scale.py's draft_subset (`--draft-ids first|seeded`) and labelled in the record.
 `--tune` also runs `dyno tune`'s procedure with the drafts replayed (a random head accepts nothing, so
 the command itself cannot be run on such a model) and prints the depth it picks.
 One session grown turn by turn to long contexts, acceptance decaying with it: tools/long_session.py.
@@ -29,17 +29,19 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools.standin, run as a script
+
 import mlx.core as mx
 import mlx_lm
 
 from speculative.attention_kernels import deepest_vector_depth, metal_attention_kernel
 from speculative.draft_vocab.head import lm_head_module
 from speculative.loader import load_checkpoint
-from speculative.measure import shapes
+from tools.standin import shapes
 from speculative.measure.blas import compute_bound_note, detect
-from speculative.measure.random_checkpoint import built, dtype_name, scaled_down
+from tools.standin.random_checkpoint import built, dtype_name, scaled_down
 from speculative.measure.replay import parse_profile
-from speculative.measure.scale import draft_vocab_floor, measure_context, random_prompt, tune_replayed
+from tools.standin.scale import draft_vocab_floor, measure_context, random_prompt, tune_replayed
 
 
 def main() -> int:

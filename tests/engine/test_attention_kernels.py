@@ -4,7 +4,7 @@ from pathlib import Path
 
 from speculative import attention_kernels, load_model
 from speculative.attention_kernels import deepest_vector_depth, depth_notice, metal_attention_kernel
-from speculative.measure import shapes
+from tools.standin import shapes
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The long session (speculative/measure/session.py, tools/long_session.py): contexts, the cost model's
+"""The long session (tools/standin/session.py, tools/long_session.py): contexts, the cost model's
 tokens/s, the session's totals, and the tool on the bundled model, its output exact."""
 
 import json
@@ -7,7 +7,7 @@ import pytest
 
 from dyno_ui.paths import BUNDLED_MODEL
 from helpers.tools import load_tool
-from speculative.measure.session import doubling, modeled, session_totals
+from tools.standin.session import doubling, modeled, session_totals
 
 
 def test_contexts_double_up_to_the_last():

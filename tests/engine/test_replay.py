@@ -37,7 +37,7 @@ def test_profiles_are_checked():
 def test_replay_over_a_draft_vocabulary_drafts_from_it(tiny_lm, ids):
     """The head projects onto the subset's rows only and every draft is one of its ids; output stays greedy's."""
     from speculative.draft_vocab.head import DraftLMHead, lm_head_module
-    from speculative.measure.scale import draft_subset
+    from tools.standin.scale import draft_subset
 
     lm = tiny_lm("tied-gqa2")
     n, depth = 60, 3

@@ -8,10 +8,10 @@ import pytest
 from helpers.tools import load_tool
 
 from speculative.config import SamplingParams
-from speculative.measure import shapes
+from tools.standin import shapes
 from speculative.measure.bench import run_mlx_lm
-from speculative.measure.random_checkpoint import scaled_down, write_checkpoint
-from speculative.measure.scale import random_prompt
+from tools.standin.random_checkpoint import scaled_down, write_checkpoint
+from tools.standin.scale import random_prompt
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread CPU time is read from Linux's /proc")
 
@@ -22,7 +22,7 @@ def tool():
 
 
 def test_a_busy_thread_is_a_worker_and_the_waiting_main_thread_is_not():
-    from speculative.measure.thread_time import since, stamp
+    from tools.standin.thread_time import since, stamp
 
     spun, leave = threading.Event(), threading.Event()
 

@@ -6,9 +6,9 @@ import pytest
 from helpers.tools import load_tool
 
 from speculative.loader import load_checkpoint
-from speculative.measure import shapes
-from speculative.measure.random_checkpoint import scaled_down, write_checkpoint
-from speculative.measure.scale import draft_vocab_floor, measure_context, random_prompt
+from tools.standin import shapes
+from tools.standin.random_checkpoint import scaled_down, write_checkpoint
+from tools.standin.scale import draft_vocab_floor, measure_context, random_prompt
 
 
 def test_draft_vocab_floor_is_autos():
@@ -138,7 +138,7 @@ def test_a_kept_checkpoint_is_reused(tmp_path):
 
     import mlx.core as mx
 
-    from speculative.measure.random_checkpoint import built
+    from tools.standin.random_checkpoint import built
 
     config = lambda: scaled_down(shapes.load("qwen3.5-0.8b")["text_config"])  # noqa: E731  (fresh: as a new run reads it)
     with built(config(), dtype=mx.float32, keep=str(tmp_path / "kept")) as (model, _):

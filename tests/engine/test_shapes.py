@@ -10,9 +10,9 @@ from mlx_lm.models import qwen3_5
 from speculative.config import SamplingParams, SpecConfig
 from speculative.heads.mtp import MTPHead
 from speculative.loader import load_checkpoint
-from speculative.measure import shapes
+from tools.standin import shapes
 from speculative.measure.bench import run_dyno, run_mlx_lm
-from speculative.measure.random_checkpoint import scaled_down, write_checkpoint
+from tools.standin.random_checkpoint import scaled_down, write_checkpoint
 
 NOMINAL = {"0.8B": 0.8e9, "2B": 2e9, "4B": 4e9, "9B": 9e9, "27B": 27e9, "35B-A3B": 35e9}
 

@@ -140,9 +140,9 @@ OFFICIAL = {f"Qwen/Qwen3.5-{s}" for s in ("0.8B", "2B", "4B", "9B", "27B", "35B-
 
 
 def test_the_release_table_holds_the_official_releases_and_agrees_with_the_recorded_shapes():
-    """Every official release once, with sources; each shape recorded in speculative/measure/shapes
+    """Every official release once, with sources; each shape recorded in tools/standin/shapes
     matches its own release (and only releases of the same size)."""
-    from speculative.measure import shapes
+    from tools.standin import shapes
 
     table = find.releases()
     assert sorted(r["repo"] for r in table) == sorted(OFFICIAL)

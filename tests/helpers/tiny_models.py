@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5
 
 from speculative.heads.mtp import MTPHead, NORM_RE
-from speculative.measure import random_checkpoint
+from tools.standin import random_checkpoint
 
 # Configs that vary what the engine must get right: tying, GQA ratio, GDN head ratio, wrapper.
 # Seeds are ones whose greedy text runs 200 tokens without hitting EOS.

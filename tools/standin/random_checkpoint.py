@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5
 
-from ..heads.mtp import NORM_RE, MTPHead
+from speculative.heads.mtp import NORM_RE, MTPHead
 
 SHARD_BYTES = 1 << 30
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -127,7 +127,7 @@ def quantize(source: Path, folder: Path, bits: int, group_size: int = 64) -> Tup
     head as a standalone folder beside it, as Dyno re-attaches it: (model folder, head folder)."""
     from mlx_lm import convert
 
-    from ..heads.mtp import read_checkpoint_head, write_head_folder
+    from speculative.heads.mtp import read_checkpoint_head, write_head_folder
 
     model = folder / f"q{bits}g{group_size}"
     convert(hf_path=str(source), mlx_path=str(model), quantize=True, q_group_size=group_size, q_bits=bits)

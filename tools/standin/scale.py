@@ -17,14 +17,14 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..config import SamplingParams, SpecConfig
-from ..draft_vocab.head import AUTO_MIN_SHARE, AUTO_STEP, DraftLMHead, lm_head_module, ranked_ids
-from ..loader import LoadedModel
-from ..stats import GenerationStats
-from .bench import TUNE_DEPTHS, run_dyno, run_mlx_lm, summarize, tune_depths, tune_prompts
-from .cost_model import cost_timer, speedup_bound
-from .replay import replayed_drafter
-from .tuning import best_by_cost
+from speculative.config import SamplingParams, SpecConfig
+from speculative.draft_vocab.head import AUTO_MIN_SHARE, AUTO_STEP, DraftLMHead, lm_head_module, ranked_ids
+from speculative.loader import LoadedModel
+from speculative.stats import GenerationStats
+from speculative.measure.bench import TUNE_DEPTHS, run_dyno, run_mlx_lm, summarize, tune_depths, tune_prompts
+from speculative.measure.cost_model import cost_timer, speedup_bound
+from speculative.measure.replay import replayed_drafter
+from speculative.measure.tuning import best_by_cost
 
 
 def draft_vocab_floor(vocab: int) -> int:

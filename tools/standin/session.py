@@ -15,14 +15,14 @@ CPU only the model stands. Tools print; this returns a record.
 
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..config import SamplingParams, SpecConfig
-from ..engine import generate
-from ..errors import DynoError
-from ..loader import LoadedModel
-from ..stats import GenerationStats
-from .bench import summarize
-from .cost_model import cost_timer
-from .replay import Profile, rates_at, replayed_drafter
+from speculative.config import SamplingParams, SpecConfig
+from speculative.engine import generate
+from speculative.errors import DynoError
+from speculative.loader import LoadedModel
+from speculative.stats import GenerationStats
+from speculative.measure.bench import summarize
+from speculative.measure.cost_model import cost_timer
+from speculative.measure.replay import Profile, rates_at, replayed_drafter
 from .scale import draft_head, random_prompt
 
 

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Dict, NamedTuple, Tuple
 
-from ..errors import DynoError
+from speculative.errors import DynoError
 
 TASKS = "/proc/self/task"
 
