@@ -160,6 +160,8 @@ def test_rows_with_other_settings_and_sources_in_one_batch(bundled):
     assert len(text["penalty"]) == 40 or text["penalty"][-1] in lm.eos_token_ids  # unseeded: it may draw EOS
     sources = {r: {e.source for e in ev if isinstance(e, Round)} for r, ev in out.items()}
     assert sources["head"] == {"head"} and sources["penalty"] <= {"copy"} and "copy" in sources["copies"]
+    # Beside other rows a copy stays within the round's depth (alone it reaches deeper: above).
+    assert all(e.drafted <= max(depths) for ev in out.values() for e in ev if isinstance(e, Round))
 
 
 def test_a_bad_source_is_one_line():
