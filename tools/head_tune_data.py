@@ -9,7 +9,8 @@ on (the model continues them), and held-out.jsonl, 8 modules from tools/tiny_dat
 never trained on, as documents. `code-more`: the same held-out.jsonl, and tune-docs.jsonl: training modules
 (tools/tiny_data.py's list: not HELD_OUT, not its skipped folders) of 2-60 kB as documents, every k-th in path order,
 up to 900 kB of source (about 16 times the `code` prompts' tokens, with nothing to continue: continuing
-is the slow part); none of the held-out modules is in it. `licenses`: the license texts of /usr/share/common-licenses (Debian),
+is the slow part); none of the held-out modules is in it; and tune-prompts-more.jsonl: the `code` prompts
+and 6 openings of 300 characters from each of the first 16 of those modules (144 prompts). `licenses`: the license texts of /usr/share/common-licenses (Debian),
 English legal prose: train.jsonl and valid.jsonl in 1,200-character chunks for `mlx_lm lora`,
 tune-prompts.jsonl (200-character openings of every sixth chunk) and held-out.jsonl (three other
 licenses, as documents).
@@ -78,6 +79,11 @@ def code_more(out: Path, budget: int = 900_000) -> None:
         if size >= budget:
             break
     jsonl(out / "tune-docs.jsonl", docs)
+    # The model's own text is what moved the head: 6 openings of each of the first 16 of those modules
+    # too, with the `code` prompts, for a tune on 3 times their continuations.
+    more = [{"prompt": d["text"][i * (len(d["text"]) // 6):][:300]} for d in docs[:16] for i in range(6)]
+    jsonl(out / "tune-prompts-more.jsonl", [json.loads(line) for line in
+                                            (out / "tune-prompts.jsonl").read_text().splitlines()] + more)
 
 
 def licenses(out: Path) -> None:
