@@ -31,19 +31,24 @@ def main() -> int:
     except (OSError, ValueError, RuntimeError) as e:
         print(f"head_from_tune_checkpoint: error: cannot read the checkpoint in {args.state}: {e}", file=sys.stderr)
         return 2
-    lm = load_model(args.model, mode="mtp", draft_depth=3, draft_vocab=None, head_bits=16, notify=lambda *a: None)[0]
-    like = dict(tree_flatten(lm.head.parameters()))
-    tensors = {k[5:]: v.astype(like[k[5:]].dtype) for k, v in saved.items() if k.startswith("head.")}
-    step = int(meta["step"])
-    weights = HeadWeights(tensors, True, f"dyno head tune checkpoint {args.state} at step {step}",
-                          {"source": {"via": "tools/head_from_tune_checkpoint.py"}})
     try:
+        lm = load_model(args.model, mode="mtp", draft_depth=3, draft_vocab=None, head_bits=16,
+                        notify=lambda *a: None)[0]
+        like = dict(tree_flatten(lm.head.parameters()))
+        tensors = {k[5:]: v for k, v in saved.items() if k.startswith("head.")}
+        if tensors.keys() != like.keys():
+            raise DynoError(f"the checkpoint in {args.state} is not a head for {args.model}")
+        tensors = {k: v.astype(like[k].dtype) for k, v in tensors.items()}
+        step = int(meta["step"])
+        weights = HeadWeights(tensors, True, f"dyno head tune checkpoint {args.state} at step {step}",
+                              {"source": {"via": "tools/head_from_tune_checkpoint.py"}})
         write_head_folder(args.out, weights, lm.text_config,
                           extra={"tune_checkpoint": {"step": step, "signature": info.get("signature")}})
     except DynoError as e:
         print(f"head_from_tune_checkpoint: error: {e.message}", file=sys.stderr)
         return 2
-    print(f"head of step {step} of {info['signature']['settings']['steps']} written to {args.out}")
+    steps = ((info.get("signature") or {}).get("settings") or {}).get("steps")
+    print(f"head of step {step}{f' of {steps}' if steps else ''} written to {args.out}")
     return 0
 
 

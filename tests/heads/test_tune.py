@@ -268,3 +268,21 @@ def test_a_late_failure_keeps_the_previous_head_and_the_finished_tune(tiny_dir, 
         if name.startswith("head."):
             want = written[f"mtp.{name[5:]}"]
             np.testing.assert_array_equal(np.array(want), np.array(value.astype(want.dtype)), err_msg=name)
+
+
+def test_a_stopped_tunes_checkpoint_makes_a_head_folder(tiny_dir, tiny_lm, tmp_path):
+    """tools/head_from_tune_checkpoint.py: the checkpoint's head, in the starting head's dtypes, loads as a head."""
+    from helpers.run import python
+    from speculative.heads.mtp import read_head_folder
+
+    run = _tune(tiny_lm(), 2, tmp_path / "state")
+    r = python("tools/head_from_tune_checkpoint.py", str(tmp_path / "state"), str(tmp_path / "head"),
+               "--model", str(tiny_dir()))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"head of step 2 written to {tmp_path / 'head'}"
+    head = read_head_folder(tmp_path / "head")
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["tune_checkpoint"]["step"] == 2
+    start = dict(tree_flatten(tiny_lm().head.parameters()))
+    for name, value in tree_flatten(run.head.parameters()):
+        np.testing.assert_array_equal(np.array(head.tensors[name]), np.array(value.astype(start[name].dtype)),
+                                      err_msg=name)
