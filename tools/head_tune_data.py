@@ -6,11 +6,12 @@
 
 `code`: tune-prompts.jsonl, 6 openings of 300 characters from each of 8 modules dyno-tiny was trained
 on (the model continues them), and held-out.jsonl, 8 modules from tools/tiny_data.py's HELD_OUT list,
-never trained on, as documents. `code-more`: the same held-out.jsonl, and tune-docs.jsonl: training modules
-(tools/tiny_data.py's list: not HELD_OUT, not its skipped folders) of 2-60 kB as documents, every k-th in path order,
-up to 900 kB of source (about 16 times the `code` prompts' tokens, with nothing to continue: continuing
-is the slow part); none of the held-out modules is in it; and tune-prompts-more.jsonl: the `code` prompts
-and 6 openings of 300 characters from each of the first 16 of those modules (144 prompts). `licenses`: the license texts of /usr/share/common-licenses (Debian),
+never trained on, as documents. `code-more`: the same two files; tune-docs.jsonl, training modules
+(tools/tiny_data.py's list: not HELD_OUT, not its skipped folders) of 2-60 kB as documents, every k-th
+in path order, up to 900 kB of source (about 16 times the `code` prompts' tokens, with nothing to
+continue: continuing is the slow part); and tune-prompts-more.jsonl, the `code` prompts and 6 openings
+of 300 characters from each of the first 16 of those modules (144 prompts). None of the held-out
+modules is in either. `licenses`: the license texts of /usr/share/common-licenses (Debian),
 English legal prose: train.jsonl and valid.jsonl in 1,200-character chunks for `mlx_lm lora`,
 tune-prompts.jsonl (200-character openings of every sixth chunk) and held-out.jsonl (three other
 licenses, as documents).
