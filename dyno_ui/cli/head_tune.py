@@ -44,10 +44,10 @@ def tune(lm, args, settings, out: Path) -> int:
     before = acceptance(lm, prompts, settings.depth, max_tokens=EVAL_TOKENS)
     notify(f"dyno: before: {_line(before)}")
 
-    done = 0
-    with tqdm(total=len(run.train), desc="trunk targets", unit="win", file=sys.stderr, leave=False) as bar:
-        for done, _ in run.prepare(device_memory() // 8):
-            bar.update(done - bar.n)
+    if run.step < settings.steps:  # a tune whose steps are all done (a late failure before) needs no targets
+        with tqdm(total=len(run.train), desc="trunk targets", unit="win", file=sys.stderr, leave=False) as bar:
+            for done, _ in run.prepare(device_memory() // 8):
+                bar.update(done - bar.n)
     bar = tqdm(total=settings.steps, initial=run.step, desc="tune", unit="step", file=sys.stderr)
     try:
         estimate = None
@@ -63,18 +63,26 @@ def tune(lm, args, settings, out: Path) -> int:
         notify(f"dyno: tune stopped at step {run.step}; run the same command to resume ({state})")
         raise
     bar.close()
-    weights = tuning.tuned_weights(run, start, f"dyno head tune of {lm.head_source}")
-    lm.head = build_head(lm.target.args, weights, None, 16)
-    lm.head_health = HeadHealth()
-    after = acceptance(lm, prompts, settings.depth, max_tokens=EVAL_TOKENS)
-    notify(f"dyno: after: {_line(after)}")
-    info = {"model": str(lm.path), "base_head": base, "data": str(args.data),
-            "data_sha256": corpus.sha256, "tokens": len(stream), "windows": len(run.train) + len(run.held),
-            "batch": run.batch, "settings": sig["settings"], "eval_data": args.eval_data or "held-out windows of --data",
-            "eval_prompts": len(prompts), "eval_tokens": EVAL_TOKENS,
-            "before": before.as_dict(), "after": after.as_dict(), "log": run.log}
-    write_head_folder(out, weights, lm.text_config, extra={"tune": {k: v for k, v in info.items() if k != "log"}},
-                      files={"README.md": tuning.card(info), "tune_log.json": _json(run.log)})
+    try:
+        weights = tuning.tuned_weights(run, start, f"dyno head tune of {lm.head_source}")
+        lm.head = build_head(lm.target.args, weights, None, 16)
+        lm.head_health = HeadHealth()
+        after = acceptance(lm, prompts, settings.depth, max_tokens=EVAL_TOKENS)
+        notify(f"dyno: after: {_line(after)}")
+        info = {"model": str(lm.path), "base_head": base, "data": str(args.data),
+                "data_sha256": corpus.sha256, "tokens": len(stream), "windows": len(run.train) + len(run.held),
+                "batch": run.batch, "settings": sig["settings"],
+                "eval_data": args.eval_data or "held-out windows of --data",
+                "eval_prompts": len(prompts), "eval_tokens": EVAL_TOKENS,
+                "before": before.as_dict(), "after": after.as_dict(), "log": run.log}
+        write_head_folder(out, weights, lm.text_config, extra={"tune": {k: v for k, v in info.items() if k != "log"}},
+                          files={"README.md": tuning.card(info), "tune_log.json": _json(run.log)})
+    except BaseException:
+        # The last step's checkpoint is the resume point on purpose: the same command writes the head
+        # without training again.
+        notify(f"dyno: the tuned head is kept in {state} (step {run.step}); run the same command to write it, "
+               f"or delete that folder to start over")
+        raise
     tuning.finish(state)
     print(f"MTP head written to {out}: {after.stats.tokens_per_round:.3f} tokens per round at depth "
           f"{settings.depth} (before {before.stats.tokens_per_round:.3f}); use it with --mtp-head {out}")

@@ -71,8 +71,13 @@ def _add_tune(hsub) -> None:
     tu.add_argument("--data", required=True, metavar="FILE",
                     help="text to tune on: a text file, or JSONL with text (documents), prompt or messages "
                          "(continued by the model first) per line")
-    tu.add_argument("--out", required=True, metavar="DIR", help="the head folder to write")
-    tu.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
+    tu.add_argument("--out", required=True, metavar="DIR",
+                    help="the head folder to write, at the end in one rename; until then the checkpoint "
+                         ".DIR.tune beside it is the resume point: after Ctrl-C or a failure (the evaluation "
+                         "or the write after the last step included) the same command goes on from it; "
+                         "removed once the head is written")
+    tu.add_argument("--overwrite", action="store_true",
+                    help="replace --out when it exists (the old folder is removed only once the new one is in place)")
     tu.add_argument("--eval-data", metavar="FILE",
                     help="held-out text for the card's acceptance before and after (default: --data's held-out part)")
     tu.add_argument("--steps", type=int, default=T.steps, metavar="N", help="optimizer steps (default: %(default)s)")

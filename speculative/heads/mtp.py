@@ -9,6 +9,7 @@ recursing for depth > 1.
 import json
 import os
 import re
+import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -273,6 +274,26 @@ def _head_config_problem(config: dict) -> Optional[str]:
     return None
 
 
+def swap_in(new: Path, folder: Path) -> None:
+    """Put the folder `new` at `folder`. One that is there already is renamed aside first and removed only
+    once `new` is in place: a failure in between renames it back, and a kill in between leaves it whole
+    as `.<name>.old-<pid>-<random>` beside it, never lost."""
+    if not os.path.lexists(folder):
+        os.replace(new, folder)
+        return
+    old = folder.parent / f".{folder.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    os.replace(folder, old)
+    try:
+        os.replace(new, folder)
+    except BaseException:
+        os.replace(old, folder)
+        raise
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.unlink()
+
+
 def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra: dict = None,
                       files: Optional[Dict[str, str]] = None) -> Path:
     """Write a standalone head folder atomically (temp folder, then rename); norms stored shifted,
@@ -302,9 +323,7 @@ def write_head_folder(folder: Path, head: HeadWeights, text_config: dict, extra:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for name, text in (files or {}).items():  # a card (README.md) goes in with the head, atomically
             (tmp / name).write_text(text)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
+        swap_in(tmp, folder)
     except (OSError, RuntimeError) as e:  # RuntimeError: mx.save_safetensors failing to write
         shutil.rmtree(tmp, ignore_errors=True)
         raise DynoError(f"cannot write the MTP head to {folder}: {getattr(e, 'strerror', None) or e}") from None

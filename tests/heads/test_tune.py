@@ -3,6 +3,7 @@ resumes to the very head an uninterrupted one makes, the written head loads and 
 unchanged, and bad input is one line, exit 2, nothing written."""
 
 import json
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,6 +15,7 @@ from dyno_ui import cli
 from helpers import tiny_models
 from helpers.run import dyno
 from speculative.measure import head_tune as tuning
+from speculative.errors import DynoError
 from speculative.loader import load_checkpoint
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(120))
@@ -164,3 +166,123 @@ def test_a_quantized_trunk_tunes_its_float_head(tmp_path):
     losses = [p.loss for p in run.run()]
     assert len(losses) == 2 and all(np.isfinite(losses))
     assert any(not np.array_equal(np.array(v), start[k]) for k, v in tree_flatten(run.head.parameters()))
+
+
+def _files(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _failing_swap(monkeypatch, target: Path):
+    """os.replace failing when it moves the new head folder to `target` (after the old one was renamed
+    aside): the moment an overwrite must not lose the old head. Other renames go through."""
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(dst) == target and not Path(src).name.startswith(f".{target.name}.old-"):
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def test_overwrite_keeps_the_old_head_until_the_new_one_is_in_place(tiny_lm, tmp_path, monkeypatch):
+    from speculative.heads.mtp import HeadWeights, read_head_folder, write_head_folder
+
+    lm = tiny_lm()
+    weights = HeadWeights(dict(tree_flatten(lm.head.parameters())), True, "test")
+    out = write_head_folder(tmp_path / "head", weights, lm.text_config, extra={"n": 1})
+    before = _files(out)
+    with monkeypatch.context() as m:
+        _failing_swap(m, out)
+        with pytest.raises(DynoError, match="cannot write the MTP head to .*No space left"):
+            write_head_folder(out, weights, lm.text_config, extra={"n": 2})
+    assert _files(out) == before  # renamed back, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]  # no temp or old folder left
+    write_head_folder(out, weights, lm.text_config, extra={"n": 2})
+    assert json.loads((out / "config.json").read_text())["n"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]
+    assert read_head_folder(out).tensors.keys() == weights.tensors.keys()
+
+
+def _tune_argv(tiny_dir, data, out):
+    return ["head", "tune", "--model", str(tiny_dir()), "--data", str(data / "train.txt"), "--out", str(out),
+            "--steps", "3", "--seq-len", "32", "--batch", "2", "--eval-data", str(data / "held.jsonl"),
+            "--eval-prompts", "1", "--overwrite"]
+
+
+def _old_head(tiny_lm, out):
+    from speculative.heads.mtp import HeadWeights, write_head_folder
+
+    lm = tiny_lm()
+    write_head_folder(out, HeadWeights(dict(tree_flatten(lm.head.parameters())), True, "old"), lm.text_config,
+                      extra={"old": True})
+    return _files(out)
+
+
+def test_a_tune_stopped_mid_way_leaves_the_previous_head(tiny_dir, tiny_lm, data, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "tuned"
+    old = _old_head(tiny_lm, out)
+    real = tuning.Tune.run
+
+    def stopped(self):
+        for p in real(self):
+            yield p
+            if p.step == 2:
+                raise KeyboardInterrupt  # Ctrl-C after step 2
+
+    with monkeypatch.context() as m:
+        m.setattr(tuning.Tune, "run", stopped)
+        assert cli.main(_tune_argv(tiny_dir, data, out)) == 130
+    assert _files(out) == old
+    assert "tune stopped at step 2" in capsys.readouterr().err
+    assert cli.main(_tune_argv(tiny_dir, data, out)) == 0  # resumes, then replaces the old head
+    assert "resuming the tune from step 2 of 3" in capsys.readouterr().err
+    assert "tune" in json.loads((out / "config.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tuned"]  # checkpoint and old folder gone
+
+
+def test_a_late_failure_keeps_the_previous_head_and_the_finished_tune(tiny_dir, tiny_lm, data, tmp_path,
+                                                                       monkeypatch, capsys):
+    """The write fails after every step is done: the old head stays, and the checkpoint of the last step is
+    the resume point on purpose, so the rerun writes the head without training again."""
+    out = tmp_path / "tuned"
+    old = _old_head(tiny_lm, out)
+    with monkeypatch.context() as m:
+        _failing_swap(m, out)
+        assert cli.main(_tune_argv(tiny_dir, data, out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("trunk targets" in line for line in err)  # (the rerun must not compute them again)
+    state = tuning.state_dir(out)
+    assert err[-2] == f"dyno: the tuned head is kept in {state} (step 3); run the same command to write it, " \
+                      f"or delete that folder to start over"
+    assert err[-1].startswith(f"dyno: error: cannot write the MTP head to {out}: ")
+    assert _files(out) == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == [tuning.state_dir(out).name, "tuned"]
+    kept = mx.load(str(state / tuning.STATE_WEIGHTS))
+    assert cli.main(_tune_argv(tiny_dir, data, out)) == 0
+    err = capsys.readouterr().err
+    assert "resuming the tune from step 3 of 3" in err and "trunk targets" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tuned"]
+    written = mx.load(str(out / "mtp.safetensors"))
+    for name, value in kept.items():  # the head written is the one the failed run had tuned
+        if name.startswith("head."):
+            want = written[f"mtp.{name[5:]}"]
+            np.testing.assert_array_equal(np.array(want), np.array(value.astype(want.dtype)), err_msg=name)
+
+
+def test_a_stopped_tunes_checkpoint_makes_a_head_folder(tiny_dir, tiny_lm, tmp_path):
+    """tools/head_from_tune_checkpoint.py: the checkpoint's head, in the starting head's dtypes, loads as a head."""
+    from helpers.run import python
+    from speculative.heads.mtp import read_head_folder
+
+    run = _tune(tiny_lm(), 2, tmp_path / "state")
+    r = python("tools/head_from_tune_checkpoint.py", str(tmp_path / "state"), str(tmp_path / "head"),
+               "--model", str(tiny_dir()))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"head of step 2 written to {tmp_path / 'head'}"
+    head = read_head_folder(tmp_path / "head")
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["tune_checkpoint"]["step"] == 2
+    start = dict(tree_flatten(tiny_lm().head.parameters()))
+    for name, value in tree_flatten(run.head.parameters()):
+        np.testing.assert_array_equal(np.array(head.tensors[name]), np.array(value.astype(start[name].dtype)),
+                                      err_msg=name)
