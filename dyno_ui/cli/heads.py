@@ -177,6 +177,11 @@ def cmd_head_tune(args) -> int:
     out = Path(args.out).expanduser()
     if out.exists() and not args.overwrite:
         raise DynoError(f"{out} exists; pass --overwrite to replace it")
+    # A tune never touches what it starts from, --overwrite or not.
+    for given, what in ((getattr(args, "mtp_head", None), "the head this tune starts from (--mtp-head)"),
+                        (getattr(args, "model", None), "the model's folder (--model)")):
+        if given and Path(given).expanduser().exists() and out.resolve() == Path(given).expanduser().resolve():
+            raise DynoError(f"--out {out} is {what}; write the tuned head to another folder")
     for path in [args.data] + ([args.eval_data] if args.eval_data else []):
         _check_data(path)
     from .head_tune import tune

@@ -142,6 +142,8 @@ BAD = [
     (["--data", "{data}/train.txt", "--model", "{bad}/llama"],
      "{bad}/llama is a llama model; MTP drafting needs a Qwen3.5/3.6/3.8 model (model_type qwen3_5 or qwen3_5_moe)"),
     (["--data", "{data}/train.txt", "--steps", "0"], "--steps must be a whole number of at least 1, got 0"),
+    (["--data", "{data}/train.txt", "--mtp-head", "{bad}/exists", "--out", "{bad}/exists", "--overwrite"],
+     "--out {bad}/exists is the head this tune starts from (--mtp-head); write the tuned head to another folder"),
 ]
 
 
