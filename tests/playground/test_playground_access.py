@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 
 KEY = "sk-dyno-test"
 # The prompt box's value (text and image files), depth, runs, then the sampling controls
-RACE = [{"text": "def read_lines(path):", "files": []}, 2, 1, 0.0, 1.0, 0, 0.0, 4, -1]
+RACE = [{"text": "def read_lines(path):", "files": []}, 2, 1, "MTP against plain decoding", 0.0, 1.0, 0, 0.0, 4, -1]
 
 
 @pytest.fixture(scope="module")
