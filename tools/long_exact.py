@@ -33,6 +33,7 @@ from speculative.measure import shapes
 from speculative.measure.blas import detect
 from speculative.measure.exact import chunk_bits, long_exact_session, messages
 from speculative.measure.random_checkpoint import built
+from speculative.prompt_cache.store import PrefixCache
 
 
 def main() -> int:
@@ -89,7 +90,7 @@ def main() -> int:
                 f"{bits['logits']}, caches by {bits['caches']}")
             write()
 
-        for t in long_exact_session(lm, contexts, args.max_tokens, args.depth):
+        for t in long_exact_session(lm, PrefixCache(), contexts, args.max_tokens, args.depth):
             record["turns"].append(t)
             write()
             say(f"turn at {t['context']} tokens: {t['restored']} restored, "

@@ -22,7 +22,6 @@ from ..config import SamplingParams, SpecConfig
 from ..engine import generate
 from ..events import Done, Token
 from ..loader import LoadedModel
-from ..prompt_cache.store import PrefixCache
 from .bench import run_mlx_lm
 
 # Prompt ids are drawn below this (and the vocabulary): ordinary tokens, clear of the specials a
@@ -35,16 +34,17 @@ def messages(n: int, rng: random.Random, vocab: int) -> List[int]:
     return rng.choices(range(min(vocab, ORDINARY)), k=n)
 
 
-def long_exact_session(lm: LoadedModel, contexts: Sequence[int], answer_tokens: int = 16, depth: int = 3,
+def long_exact_session(lm: LoadedModel, cache, contexts: Sequence[int], answer_tokens: int = 16, depth: int = 3,
                        seed: int = 0, reference: Optional[Callable] = None) -> Iterator[dict]:
     """One conversation grown to each of `contexts` tokens in turn (a user message, then a greedy
-    answer of up to `answer_tokens` drafted at `depth`), every turn after the first resumed from the
-    prompt cache; each turn's answer checked against `reference(lm, conversation, n)` (default:
-    mlx-lm's generate_step, cold, on the whole conversation). Yields one dict per turn as it ends."""
+    answer of up to `answer_tokens` drafted at `depth`), every turn after the first resumed from
+    `cache` (an empty prompt_cache.PrefixCache); each turn's answer checked against
+    `reference(lm, conversation, n)` (default: mlx-lm's generate_step, cold, on the whole
+    conversation). Yields one dict per turn as it ends."""
     if any(b <= a for a, b in zip(contexts, contexts[1:])) or contexts[0] <= answer_tokens:
         raise ValueError(f"contexts must increase from above the answer's {answer_tokens} tokens: {list(contexts)}")
     reference = reference or (lambda lm, prompt, n: run_mlx_lm(lm, prompt, SamplingParams(max_tokens=n)).tokens)
-    rng, cache = random.Random(seed), PrefixCache()
+    rng = random.Random(seed)
     conversation: List[int] = []
     starts: List[int] = []  # where each message starts: the chat boundaries the prompt cache checkpoints at
     for target in contexts:

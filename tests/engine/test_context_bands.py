@@ -11,7 +11,7 @@ from helpers.reference import plain_greedy
 from speculative.batched.decoding import Decoding, Request
 from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
-from speculative.events import Done, Parked, Round, Token
+from speculative.events import Parked, Round, Token
 from speculative.round import depth_policy
 from speculative.round.depth_policy import BatchCosts, DepthPolicy
 from speculative.stats import CONTEXT_BANDS, GenerationStats, context_band
