@@ -45,8 +45,13 @@ def check_session(lm, contexts):
     assert [t["context"] for t in turns] == list(contexts)
 
 
-def test_a_session_resumed_from_the_prompt_cache_equals_mlx_lm_cold_at_4k(tiny_lm):
-    check_session(tiny_lm(), [1500, 4096])
+# A test model of one recurrent and one attention layer, with room for 32k positions: both kinds of
+# cache, at a third of the default test model's prefill time (mlx-lm's CPU recurrence goes token by token).
+LONG = dict(num_hidden_layers=2, full_attention_interval=2, max_position_embeddings=32768)
+
+
+def test_a_session_resumed_from_the_prompt_cache_equals_mlx_lm_cold_at_4k(tiny_dir):
+    check_session(load_checkpoint(tiny_dir(**LONG)), [1500, 4096])
 
 
 @pytest.mark.slow
@@ -57,5 +62,5 @@ def test_dyno_tiny_resumed_at_4k_equals_mlx_lm_cold():
 
 @pytest.mark.slow
 def test_a_session_resumed_at_8k_and_16k_equals_mlx_lm_cold(tiny_dir):
-    """A test model with room for 32k positions: turns at 4k, 8k and 16k tokens, each resumed."""
-    check_session(load_checkpoint(tiny_dir(max_position_embeddings=32768)), [4096, 8192, 16384])
+    """Turns at 4k, 8k and 16k tokens, each resumed."""
+    check_session(load_checkpoint(tiny_dir(**LONG)), [4096, 8192, 16384])
