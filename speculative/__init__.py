@@ -3,18 +3,19 @@
     lm, spec = load_model("path/to/model")    # trunk + MTP head, draft vocabulary and depth settled
     # (a folder, or a Hugging Face repo id such as "mlx-community/Qwen3.6-27B-4bit": cached, else downloaded)
     for event in generate(lm, prompt_ids, SamplingParams(), spec):
-        ...                                   # Token (with provenance), Round, then Done
+        ...                                   # Token (with provenance), Round (Parked), then Done
 
 This package never imports HTTP or UI code; `dyno_ui` builds on it.
 """
 
 from .config import SamplingParams, SpecConfig
 from .errors import DynoError
-from .events import Done, Provenance, Round, Token
+from .events import Done, Parked, Provenance, Round, Token
 
 __all__ = [
     "Done",
     "DynoError",
+    "Parked",
     "Provenance",
     "Round",
     "SamplingParams",

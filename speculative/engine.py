@@ -17,7 +17,7 @@ from .batched.decoding import Decoding, Request, drafts
 from .batched.prefill import PREFILL_STEP, segments
 from .config import SamplingParams, SpecConfig
 from .errors import DynoError
-from .events import Done, Provenance, Round, Token
+from .events import Done, Parked, Provenance, Round, Token
 from .loader import LoadedModel
 from .loader.vision import VisionInput
 from .backend.memory import MLX_MEMORY, Memory
@@ -28,7 +28,7 @@ from .round.processors import processors_for, with_prefix
 from .round.sampling import plain_sampler
 from .round.scoring import scored
 
-Event = Union[Token, Round, Done]
+Event = Union[Token, Round, Parked, Done]
 
 
 def generate(

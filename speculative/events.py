@@ -75,6 +75,8 @@ class Round:
     `confident[i]`: the target's own top token had probability >= verify.CONFIDENT at draft i's
     position; only while the loaded head's health is being checked (empty otherwise).
     `source`: where the drafts came from, "head" (the MTP head) or "copy" (the row's context).
+    `context`: tokens of context at the round, the row's prompt and generated tokens before it
+    (its acceptance is reported by context band: stats.context_band).
     """
 
     drafted: int
@@ -83,6 +85,18 @@ class Round:
     details: Optional[RoundDetails] = None
     confident: Tuple[bool, ...] = ()
     source: str = "head"
+    context: int = 0
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A round a drafting row ran at depth 0 (the depth policy parked it, a collapsed head under
+    "auto", or a drafter with nothing to propose, as copies alone without a match): no Round, one
+    plain token follows. Only counted (stats.GenerationStats: the share of
+    rounds parked); `context` as Round's. A row pinned at depth 0 never drafts and is never parked.
+    """
+
+    context: int
 
 
 @dataclass(frozen=True)

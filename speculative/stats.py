@@ -10,7 +10,18 @@ import struct
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .events import Done, Round, Token
+from .events import Done, Parked, Round, Token
+
+# Context bands acceptance is reported by: (name, the first context length past the band).
+# Where published acceptance decays (issue 54): near 100 tokens, a few thousand, 8k-32k, beyond.
+CONTEXT_BANDS: Tuple[Tuple[str, float], ...] = (("under_2k", 2048), ("2k_8k", 8192), ("8k_32k", 32768),
+                                                ("over_32k", float("inf")))
+
+
+def context_band(context: int) -> str:
+    """The band of a round at `context` tokens of context: under_2k (< 2048), 2k_8k (< 8192),
+    8k_32k (< 32768), over_32k."""
+    return next(name for name, end in CONTEXT_BANDS if context < end)
 
 
 def _grown(counts: List[int], length: int) -> None:
@@ -38,17 +49,21 @@ class GenerationStats:
     widths: Optional[Tuple[int, int]] = None  # in a batch: the fewest and the most rows of its rounds
     # The same counts per draft source ("head", "copy"): source -> GenerationStats of its rounds alone.
     sources: Dict[str, "GenerationStats"] = field(default_factory=dict)
+    parked_rounds: int = 0  # rounds a drafting row ran at depth 0 (Parked): not in `rounds`
+    # The same counts per context band (CONTEXT_BANDS), parked rounds included: band -> GenerationStats.
+    bands: Dict[str, "GenerationStats"] = field(default_factory=dict)
     _position: int = 0  # drafts delivered so far in the current round
     _source: Optional[str] = None  # the current round's source
+    _band: Optional[str] = None  # the current round's context band
 
     @classmethod
     def from_counts(cls, rounds: int, accepted_per_position: List[int],
-                    drafted_per_position: List[int]) -> "GenerationStats":
+                    drafted_per_position: List[int], parked_rounds: int = 0) -> "GenerationStats":
         """Stats of counts alone (no tokens), e.g. read back from a JSON record, to merge or derive from."""
         return cls(rounds=rounds, draft_tokens=sum(drafted_per_position),
                    accepted_tokens=sum(accepted_per_position),
                    accepted_per_position=list(accepted_per_position),
-                   drafted_per_position=list(drafted_per_position))
+                   drafted_per_position=list(drafted_per_position), parked_rounds=parked_rounds)
 
     def add(self, event) -> None:
         if isinstance(event, Token):
@@ -58,11 +73,17 @@ class GenerationStats:
                 self._count_accepted(self._position)
                 if self._source is not None:
                     self.sources[self._source]._count_accepted(self._position)
+                if self._band is not None:
+                    self.bands[self._band]._count_accepted(self._position)
                 self._position += 1
         elif isinstance(event, Round):
             self._count_round(event)
-            self._source = event.source
+            self._source, self._band = event.source, context_band(event.context)
             self.sources.setdefault(event.source, GenerationStats())._count_round(event)
+            self.bands.setdefault(self._band, GenerationStats())._count_round(event)
+        elif isinstance(event, Parked):
+            self.parked_rounds += 1
+            self.bands.setdefault(context_band(event.context), GenerationStats()).parked_rounds += 1
         elif isinstance(event, Done):
             self.done = event
 
@@ -103,6 +124,9 @@ class GenerationStats:
             self.rounds_by_depth[depth] = self.rounds_by_depth.get(depth, 0) + n
         for source, counts in other.sources.items():
             self.sources.setdefault(source, GenerationStats()).merge(counts)
+        self.parked_rounds += other.parked_rounds
+        for band, counts in other.bands.items():
+            self.bands.setdefault(band, GenerationStats()).merge(counts)
 
     @property
     def speculative(self) -> bool:
@@ -124,6 +148,17 @@ class GenerationStats:
         drafts a cut round did not deliver) of where the generation was cut.
         """
         return 1 + self.accepted_tokens / self.rounds if self.rounds else None
+
+    @property
+    def parked_share(self) -> Optional[float]:
+        """Parked rounds / every round a drafting row ran, parked or not (None before the first)."""
+        ran = self.rounds + self.parked_rounds
+        return self.parked_rounds / ran if ran else None
+
+    @property
+    def acceptance(self) -> Optional[float]:
+        """Accepted drafts / drafts, over every position (None before the first draft)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
     def acceptance_by_position(self) -> List[float]:
         """Per draft position (index i: position i + 1): drafts accepted there / rounds that drafted it.
@@ -174,16 +209,38 @@ class GenerationStats:
             "tokens_per_round": self.tokens_per_round,
             "acceptance_by_position": self.acceptance_by_position(),
             "by_source": self.by_source_json(),
+            "parked_rounds": self.parked_rounds,
+            "parked_share": self.parked_share,
+            "by_context": self.by_context_json(),
         }
+
+    def counts_json(self) -> dict:
+        """The round and acceptance counts with their derived figures: a source's or a band's."""
+        return {"rounds": self.rounds, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "accepted_per_position": self.accepted_per_position,
+                "drafted_per_position": self.drafted_per_position,
+                "tokens_per_round": self.tokens_per_round,
+                "acceptance_by_position": self.acceptance_by_position()}
 
     def by_source_json(self) -> Dict[str, dict]:
         """Per draft source ("head", "copy"), the same figures over that source's rounds alone."""
-        return {source: {"rounds": c.rounds, "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
-                         "accepted_per_position": c.accepted_per_position,
-                         "drafted_per_position": c.drafted_per_position,
-                         "tokens_per_round": c.tokens_per_round,
-                         "acceptance_by_position": c.acceptance_by_position()}
-                for source, c in sorted(self.sources.items())}
+        return {source: c.counts_json() for source, c in sorted(self.sources.items())}
+
+    def by_context_json(self) -> Dict[str, dict]:
+        """Per context band (every one of CONTEXT_BANDS, in order), the same figures over the rounds
+        run at that context, with its overall acceptance and its parked rounds and their share."""
+        out = {}
+        for band, _ in CONTEXT_BANDS:
+            c = self.bands.get(band) or GenerationStats()
+            out[band] = {**c.counts_json(), "acceptance": c.acceptance, "parked_rounds": c.parked_rounds,
+                         "parked_share": c.parked_share}
+        return out
+
+    @classmethod
+    def from_json(cls, counts: dict) -> "GenerationStats":
+        """counts_json's (or a band's) counts read back, to pool them."""
+        return cls.from_counts(counts["rounds"], counts["accepted_per_position"], counts["drafted_per_position"],
+                               counts.get("parked_rounds", 0))
 
 
 def tokens_sha256(tokens: Sequence[int]) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 from speculative.errors import DynoError
 
 from speculative.measure.suites import SUITES, encode
-from speculative.stats import GenerationStats
+from speculative.stats import CONTEXT_BANDS, GenerationStats
 
 from ..options import ModelOptions
 from ..paths import default_model
@@ -239,7 +239,22 @@ def _aggregate(record):
                     "tps": med(lambda s: s["decode_tps"]["median"]), "tpr": pooled.tokens_per_round,
                     "bound": med(lambda s: s.get("bound")), "efficiency": med(lambda s: s.get("efficiency")),
                     "identical": all(s["identical"] is not False for s in ss) if ss[0]["identical"] is not None else None,
-                    "acceptance": pooled.acceptance_by_position(), "by_source": _pooled_by_source(ss)})
+                    "acceptance": pooled.acceptance_by_position(), "by_source": _pooled_by_source(ss),
+                    "parked_rounds": pooled.parked_rounds, "by_context": _pooled_by_context(ss)})
+    return out
+
+
+def _pooled_by_context(ss) -> dict:
+    """Per context band that ran a round, every prompt's rounds pooled: rounds, parked rounds,
+    tokens per round and acceptance by position."""
+    out = {}
+    for band, _ in CONTEXT_BANDS:
+        total = GenerationStats()
+        for c in [c for s in ss if (c := s.get("by_context", {}).get(band))]:
+            total.merge(GenerationStats.from_json(c))
+        if total.rounds or total.parked_rounds:
+            out[band] = {"rounds": total.rounds, "parked": total.parked_rounds, "tpr": total.tokens_per_round,
+                         "acceptance": total.acceptance_by_position()}
     return out
 
 
@@ -258,7 +273,8 @@ def _pooled(ss):
     all of them, so a prompt that ended early weighs by its rounds."""
     total = GenerationStats()
     for s in ss:
-        total.merge(GenerationStats.from_counts(s["rounds"], s["accepted_per_position"], s["drafted_per_position"]))
+        total.merge(GenerationStats.from_counts(s["rounds"], s["accepted_per_position"], s["drafted_per_position"],
+                                                s.get("parked_rounds", 0)))
     return total
 
 
@@ -279,6 +295,14 @@ def _print_table(record) -> None:
                 acc = " ".join(f"{a:.2f}" for a in c["acceptance"])
                 print(f"{'':10} {'':>4} {'  ' + source:13} {c['rounds']:>7} rounds {'':>11}{fmt(c['tpr'], '.2f'):>9} "
                       f"{'':>6} {'':>5} {'':>5}  {acc}")
+        if r["parked_rounds"] or set(r["by_context"]) - {"under_2k"}:  # by the context the rounds ran at
+            for band, c in r["by_context"].items():
+                acc = " ".join(f"{a:.2f}" for a in c["acceptance"])
+                parked = f"{c['parked']} parked" if c["parked"] else ""
+                print(f"{'':10} {'':>4} {'  ' + band:13} {c['rounds']:>7} rounds {parked:>11}{fmt(c['tpr'], '.2f'):>9} "
+                      f"{'':>6} {'':>5} {'':>5}  {acc}")
+    if not any(r["parked_rounds"] or set(r["by_context"]) - {"under_2k"} for r in rows):
+        print("by context: every round under 2k tokens of context, none parked (--json: by_context)")
     c = record["cost_model"]
     tv = " ".join(f"Tv({k})={v * 1e3:.1f}ms" for k, v in c["Tv"].items())
     print(f"cost model: T1={c['T1'] * 1e3:.1f}ms {tv} Td={c['Td'] * 1e3:.2f}ms")

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from speculative.heads.health import HeadHealth
-from speculative.stats import GenerationStats
+from speculative.stats import CONTEXT_BANDS, GenerationStats
 
 WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, float("inf"))
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, float("inf"))
@@ -69,6 +69,26 @@ class ServerMetrics:
             "mlx:draft_acceptance_by_source_position",
             "Over all requests: drafts accepted at each 1-based position / rounds that drafted it, by source",
             ["source", "position"], registry=r)
+        # The same by the context a round ran at (speculative.stats.CONTEXT_BANDS), and the rounds parked.
+        self.band_rounds = Counter("mlx:spec_decode_rounds_by_context",
+                                   "Draft/verify rounds, by context band at the round", ["band"], registry=r)
+        self.band_parked = Counter("mlx:spec_decode_rounds_parked_by_context",
+                                   "Rounds a drafting request ran at depth 0 (parked), by context band", ["band"],
+                                   registry=r)
+        self.band_draft_tokens = Counter("mlx:draft_tokens_by_context", "Tokens drafted, by context band", ["band"],
+                                         registry=r)
+        self.band_accepted_tokens = Counter("mlx:draft_tokens_accepted_by_context",
+                                            "Drafted tokens accepted, by context band", ["band"], registry=r)
+        self.band_acceptance = Gauge("mlx:draft_acceptance_by_context",
+                                     "Over all requests: accepted drafts / drafts, by context band", ["band"],
+                                     registry=r)
+        self.parked_share = Gauge("mlx:spec_decode_parked_share",
+                                  "Over all requests: parked rounds / all rounds of drafting requests", registry=r)
+        self.parked_share.set(float("nan"))  # undefined until a round has run
+        for band, _ in CONTEXT_BANDS:  # every band exported from the start (its acceptance undefined)
+            for m in (self.band_rounds, self.band_parked, self.band_draft_tokens, self.band_accepted_tokens):
+                m.labels(band=band)
+            self.band_acceptance.labels(band=band).set(float("nan"))
         self.prompt_tokens = Counter("mlx:prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("mlx:prompt_tokens_cached", "Prompt tokens reused from a cached prefix",
                                      registry=r)
@@ -154,6 +174,11 @@ class ServerMetrics:
         for source, c in s.sources.items():
             self.source_draft_tokens.labels(source=source).inc(c.draft_tokens)
             self.source_accepted_tokens.labels(source=source).inc(c.accepted_tokens)
+        for band, c in s.bands.items():
+            self.band_rounds.labels(band=band).inc(c.rounds)
+            self.band_parked.labels(band=band).inc(c.parked_rounds)
+            self.band_draft_tokens.labels(band=band).inc(c.draft_tokens)
+            self.band_accepted_tokens.labels(band=band).inc(c.accepted_tokens)
         self.prompt_tokens.inc(outcome.prompt_tokens)
         self.cached_tokens.inc(outcome.cached_tokens)
         self.generation_tokens.inc(len(s.tokens))
@@ -179,6 +204,11 @@ class ServerMetrics:
                 self.source_tokens_per_round.labels(source=source).set(c.tokens_per_round)
             for pos, rate in enumerate(c.acceptance_by_position(), start=1):
                 self.source_acceptance_by_position.labels(source=source, position=str(pos)).set(rate)
+        for band, c in totals.bands.items():
+            if c.acceptance is not None:
+                self.band_acceptance.labels(band=band).set(c.acceptance)
+        if totals.parked_share is not None:
+            self.parked_share.set(totals.parked_share)
 
     def record_failure(self) -> None:
         """Count a request the engine could not complete."""

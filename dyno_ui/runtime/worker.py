@@ -38,7 +38,7 @@ import mlx.core as mx
 from speculative.config import SpecConfig
 from speculative import distributed
 from speculative.engine import generate
-from speculative.events import Done, Round, Token, TokenLogprobs
+from speculative.events import Done, Parked, Round, Token, TokenLogprobs
 from speculative.loader import LoadedModel
 from speculative.loader.vision import vision_input
 from speculative.backend.memory import MLX_MEMORY, Memory, budget_notice, default_batch_memory, device_memory, model_bytes
@@ -342,6 +342,8 @@ class EngineWorker:
                 job.stats.add(event)
                 if isinstance(event, Round):
                     self.metrics.record_round(1, event.drafted)
+                elif isinstance(event, Parked):  # a round at depth 0 (the batched loop records its own)
+                    self.metrics.record_round(1, 0)
                 elif isinstance(event, Token):
                     self.on_token(job, event.id, event.logprobs)
                     if split and (why := self.until(job)):

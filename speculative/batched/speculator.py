@@ -18,7 +18,7 @@ back its own caches and its latest pass (settle.Leaving), which settle to the to
 received: the state a prompt cache keeps for the request's next turn.
 
 Depth 0 is a plain batched round: the trunk alone over each row's pending token, no Round event
-(a round that drafts nothing is not a drafting round), the head's rows deferred until drafting resumes.
+(a round that drafts nothing is not a drafting round; a row not pinned at 0 gets a Parked), the head's rows deferred until drafting resumes.
 Each round queues the next one's first work before it hands its tokens out, so the device computes
 while the host works: for a plain round next, its pass (as mlx-lm's BatchGenerator does), for a
 drafting round next, its drafts, at the depth the caller says comes next. A join, a leave or a
@@ -40,7 +40,7 @@ from ..config import SamplingParams
 from .prefill import PREFILL_STEP, Joiner, prefill_groups, prefill_together
 from .settle import LastPass, Leaving
 from ..errors import DynoError
-from ..events import Provenance, Round, Token
+from ..events import Parked, Provenance, Round, Token
 from ..loader import LoadedModel
 from ..backend.memory import MLX_MEMORY, Memory
 from ..prompt_cache.store import Resume, ShiftedKVCache
@@ -544,7 +544,10 @@ class BatchSpeculator(Rounds):
             provenance = [Provenance.COPY if source == "copy" else Provenance.DRAFT] * len(accepted) + [last]
             flags = tuple(confident[b]) if confident else ()
             why = details[b] if details else None
-            events, finish = ([Round(k, len(accepted), tuple(drafts[b][:k]), why, flags, source)] if k else []), None
+            context = len(row.prompt) + len(row.generated)
+            events = ([Round(k, len(accepted), tuple(drafts[b][:k]), why, flags, source, context)] if k
+                      else [Parked(context)] if row.depth != 0 else [])  # (pinned at 0: never drafts)
+            finish = None
             sent = 0
             for t, p, s in zip(tokens, provenance, scores):
                 row.generated.append(t)

@@ -84,6 +84,8 @@ class SettingResult:
     drafted_per_position: List[int] = field(default_factory=list)
     copies: str = "off"  # where drafts came from: the head alone, copies and the head, copies alone
     by_source: Dict[str, dict] = field(default_factory=dict)  # GenerationStats.by_source_json over every pair
+    parked_rounds: int = 0  # rounds run at depth 0 while drafting (GenerationStats.parked_rounds)
+    by_context: Dict[str, dict] = field(default_factory=dict)  # GenerationStats.by_context_json over every pair
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -135,6 +137,7 @@ def paired_benchmark(lm: LoadedModel, prompt: Sequence[int], params: SamplingPar
         r.accepted_per_position, r.drafted_per_position = t.accepted_per_position, t.drafted_per_position
         r.tokens_per_round, r.acceptance_by_position = t.tokens_per_round, t.acceptance_by_position()
         r.by_source = t.by_source_json()
+        r.parked_rounds, r.by_context = t.parked_rounds, t.by_context_json()
     return {"plain": {"decode_tps": summarize(base_tps), "ttft": summarize(base_ttft)},
             "settings": {name: r.as_dict() for name, r in results.items()}}
 

@@ -18,7 +18,7 @@ from speculative.config import SamplingParams, SpecConfig
 from speculative.engine import generate
 from helpers.drafts import drafted
 from speculative.errors import DynoError
-from speculative.events import Provenance, Round, Token
+from speculative.events import Parked, Provenance, Round, Token
 from speculative.loader import load_checkpoint
 from speculative.prompt_cache.store import PrefixCache, Resume
 from speculative.round.row import Row
@@ -264,17 +264,19 @@ def test_depth_zero_and_changing_depths_stay_plain_greedy(bundled, monkeypatch, 
 
 
 def test_depth_zero_rounds_are_not_drafting_rounds(bundled):
-    """A depth-0 round emits no Round and a PLAIN token, so tokens per round and acceptance count the
-    drafting rounds alone; a row at depth 0 throughout folds as plain decoding."""
+    """A depth-0 round emits no Round but a Parked and a PLAIN token, so tokens per round and acceptance
+    count the drafting rounds alone; a row at depth 0 throughout folds as plain decoding, all parked."""
     lm = bundled("dyno-tiny")
     prompt = lm.tokenizer.encode(PROMPTS[0])
     events, _ = drive_schedule(BatchSpeculator(lm), [0], {0: [("p", prompt, SamplingParams(max_tokens=20))]})
     assert not any(isinstance(e, Round) for e in events["p"])
-    assert {e.provenance for e in events["p"]} == {Provenance.PLAIN}
+    assert {e.provenance for e in events["p"] if isinstance(e, Token)} == {Provenance.PLAIN}
     plain = GenerationStats()
     for e in events["p"]:
         plain.add(e)
     assert not plain.speculative and plain.tokens_per_round is None
+    assert plain.parked_rounds == sum(isinstance(e, Parked) for e in events["p"]) == 19  # the first: the prefill's
+    assert plain.parked_share == 1.0
     events, _ = drive_schedule(BatchSpeculator(lm), [3, 0], {0: [("m", prompt, SamplingParams(max_tokens=40))]})
     mixed = GenerationStats()
     for e in events["m"]:

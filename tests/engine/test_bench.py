@@ -79,9 +79,35 @@ def test_bench_json_record(tiny_dir, tmp_path):
     assert s["bound"] == pytest.approx(expected)
     assert s["efficiency"] == pytest.approx(s["ratio"]["median"] / s["bound"])
     assert "mtp@2" in r.stdout and "cost model: T1=" in r.stdout
+    assert s["by_context"]["under_2k"]["rounds"] == s["rounds"] and s["parked_rounds"] == 0  # short prompts
+    assert "by context: every round under 2k tokens of context, none parked (--json: by_context)" in r.stdout.splitlines()
     assert "Plotly.newPlot" in (tmp_path / "chart.html").read_text()
     if shutil.which("chromium") or shutil.which("google-chrome"):  # kaleido renders through the browser
         assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_reports_acceptance_by_context_band(tiny_lm, capsys):
+    """A prompt past 2k tokens: its rounds are reported in the 2-8k band, in the record (what --json
+    writes) and in the table, and the bands add up to the setting's rounds."""
+    from dyno_ui.cli.bench import _print_table
+    from speculative.measure.blas import detect
+
+    lm = tiny_lm()
+    prompt = lm.tokenizer.encode("# a long comment line\n" * 100)  # a byte per token: 2200
+    res = paired_benchmark(lm, prompt, SamplingParams(max_tokens=20), depths=[2], pairs=1, with_off=False)
+    s = res["settings"]["mtp@2"]
+    bands = s["by_context"]
+    assert bands["2k_8k"]["rounds"] == s["rounds"] > 0 and s["parked_rounds"] == 0
+    assert sum(b["rounds"] for b in bands.values()) == s["rounds"]
+    assert bands["2k_8k"]["acceptance_by_position"] == s["acceptance_by_position"]
+    costs = {"T1": 0.01, "Tv": {"2": 0.012}, "Td": 0.001}  # (the table's last line; not measured here)
+    _print_table({"machine": {"blas": detect().as_json()}, "cost_model": costs,
+                  "results": [{"suite": "tasks", "prompt": "long", "temperature": 0.0, **res, "cost_model": costs}]})
+    lines = capsys.readouterr().out.splitlines()
+    acc = [f"{a:.2f}" for a in bands["2k_8k"]["acceptance_by_position"]]
+    line = next(line for line in lines if line.split()[:1] == ["2k_8k"])
+    assert line.split() == ["2k_8k", str(s["rounds"]), "rounds", f"{bands['2k_8k']['tokens_per_round']:.2f}", *acc]
+    assert not [line for line in lines if line.startswith("by context:")]
 
 
 def test_bench_bad_depths():
