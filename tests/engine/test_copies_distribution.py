@@ -122,8 +122,9 @@ def beside_a_seeded_row(lm, prompt, runs):
 
 
 # Each run resumes from the prompt's state, prefilled once: a width's 1200 runs then take under a minute
-# here (prefilling each took 7 minutes for width 2 on busy cores).
-@pytest.mark.parametrize("width", [1, 2])
+# here (prefilling each took 7 minutes for width 2 on busy cores). Width 2 in the suite, which must stay
+# near 15 minutes; width 1 (29 s, passed when this was written) by hand: `width_one`.
+@pytest.mark.parametrize("width", [2])
 def test_copied_drafts_follow_the_model(tiny_lm, width):
     lm = tiny_lm("tied-gqa2")
     prompt = copy_prompt(lm)
